@@ -1,0 +1,15 @@
+// CPU backend: the chunked algorithm (gdn-math section 3, chunk 64) in float32 with a float32
+// state, forward and backward, multithreaded over (sequence, value head).
+#pragma once
+
+#include "common/problem.h"
+#include "flashgdn/flashgdn.h"
+
+namespace flashgdn::cpu {
+
+constexpr int64_t kChunk = 64;
+
+void forward(const Problem& p, const fgdn_fwd_args& a);
+void backward(const Problem& p, const fgdn_bwd_args& a);
+
+}  // namespace flashgdn::cpu

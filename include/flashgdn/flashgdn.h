@@ -1,0 +1,157 @@
+/*
+ * flashgdn: gated delta rule (GDN) chunked prefill, forward and backward.
+ *
+ * C ABI. A C program can include this header and link libflashgdn. The C++ API in
+ * flashgdn.hpp is a thin layer over these same structs and entry points.
+ *
+ * Conventions (the ecosystem's, as in FLA / FlashQLA / vLLM):
+ *   q, k : [B, T, Hq, K]      v : [B, T, Hv, V]      g, beta : [B, T, Hv]
+ *   states: [N, Hv, K, V] (or [N, Hv, V, K] with state_v_first), float32
+ *   Hv is a multiple of Hq; value head h reads q/k head h / (Hv / Hq).
+ *   Varlen: B == 1 and cu_seqlens [N + 1] (int32 or int64) packs N sequences along T.
+ *
+ * The recurrence, per sequence and value head (S is K x V):
+ *   S~_t = exp(g_t) S_{t-1};  S_t = S~_t + beta_t k_t (v_t - S~_t^T k_t)^T;  o_t = scale S_t^T q_t
+ *
+ * Every tensor is described by an fgdn_tensor (strides in elements, like DLPack). An
+ * optional tensor is absent when its data pointer is NULL. Every entry point validates all
+ * of its arguments before it writes anything; on error it returns a non-zero status and
+ * fgdn_last_error() names the argument, what was expected and what was given.
+ */
+#ifndef FLASHGDN_FLASHGDN_H_
+#define FLASHGDN_FLASHGDN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FGDN_API __declspec(dllexport)
+#else
+#define FGDN_API __attribute__((visibility("default")))
+#endif
+
+#define FGDN_VERSION_MAJOR 0
+#define FGDN_VERSION_MINOR 1
+#define FGDN_VERSION_PATCH 0
+#define FGDN_MAX_DIMS 4
+
+typedef enum fgdn_dtype {
+  FGDN_FLOAT32 = 0,
+  FGDN_FLOAT16 = 1,
+  FGDN_BFLOAT16 = 2,
+  FGDN_INT32 = 3,
+  FGDN_INT64 = 4
+} fgdn_dtype;
+
+/* Same codes as DLPack's DLDeviceType. */
+typedef enum fgdn_device_type { FGDN_CPU = 1, FGDN_CUDA = 2 } fgdn_device_type;
+
+typedef enum fgdn_status {
+  FGDN_SUCCESS = 0,
+  FGDN_ERROR_INVALID_ARGUMENT = 1, /* a caller's argument was rejected; nothing was written */
+  FGDN_ERROR_NOT_SUPPORTED = 2,    /* valid, but this build or backend cannot run it */
+  FGDN_ERROR_CUDA = 3,             /* a CUDA call failed */
+  FGDN_ERROR_INTERNAL = 4
+} fgdn_status;
+
+/* A non-owning view of a strided tensor. data == NULL means "absent". */
+typedef struct fgdn_tensor {
+  void* data;
+  int32_t dtype;       /* fgdn_dtype */
+  int32_t ndim;        /* 1 .. FGDN_MAX_DIMS */
+  int64_t shape[FGDN_MAX_DIMS];
+  int64_t strides[FGDN_MAX_DIMS]; /* in elements */
+  int32_t device_type; /* fgdn_device_type */
+  int32_t device_id;
+} fgdn_tensor;
+
+/* The inputs shared by forward and backward. */
+typedef struct fgdn_inputs {
+  fgdn_tensor q;    /* [B, T, Hq, K]  bf16 | fp16 | fp32 (q, k, v share one dtype) */
+  fgdn_tensor k;    /* [B, T, Hq, K] */
+  fgdn_tensor v;    /* [B, T, Hv, V] */
+  fgdn_tensor g;    /* [B, T, Hv] fp32 | bf16: log-space gate g <= 0; with gate_in_kernel the
+                       raw activation a, and g = -exp(A_log[h]) * softplus(a + dt_bias[h]) */
+  fgdn_tensor beta; /* [B, T, Hv] fp32 | bf16 */
+  fgdn_tensor A_log;   /* [Hv] fp32, required iff gate_in_kernel */
+  fgdn_tensor dt_bias; /* [Hv] fp32, optional with gate_in_kernel (zero when absent) */
+  fgdn_tensor cu_seqlens; /* [N + 1] int32 | int64, optional; requires B == 1 */
+  /* Optional host copy of cu_seqlens (int64, [N + 1], on the CPU) for device calls: with it
+     the call never reads cu_seqlens back from the device (no host synchronisation), which a
+     CUDA graph capture needs. It must equal cu_seqlens; it is what validation checks. */
+  fgdn_tensor cu_seqlens_host;
+  fgdn_tensor initial_state; /* [N, Hv, K, V] fp32, optional; with state_indices a pool
+                                [P, Hv, K, V] read in place */
+  fgdn_tensor state_indices; /* [N] int32 | int64, optional: row of the pool per sequence;
+                                a negative index starts from zero and writes nothing back */
+  double scale;              /* used iff has_scale; default 1 / sqrt(K) */
+  int32_t has_scale;
+  int32_t use_qk_l2norm_in_kernel; /* q <- q / ||q||, k <- k / ||k|| (eps 1e-6) per token */
+  int32_t gate_in_kernel;
+  int32_t state_v_first; /* states are [.., V, K] instead of [.., K, V] */
+} fgdn_inputs;
+
+typedef struct fgdn_fwd_args {
+  fgdn_inputs in;
+  int32_t output_final_state; /* write S_T: into final_state, or (with state_indices) back
+                                 into the pool rows of initial_state */
+  int64_t checkpoint_every;   /* 0: none; else a multiple of 64: S after every
+                                 checkpoint_every tokens of each sequence into checkpoints */
+  fgdn_tensor o;              /* [B, T, Hv, V], dtype of q */
+  fgdn_tensor final_state;    /* [N, Hv, K, V] fp32; required iff output_final_state and no
+                                 state_indices, absent otherwise */
+  /* [R, Hv, K, V] fp32 with R >= sum_n floor(len_n / checkpoint_every); sequence n's j-th
+     checkpoint (j = 0, 1, ...) is row offset_n + j, offset_n = sum_{m < n} floor(len_m /
+     checkpoint_every), the state after (j + 1) * checkpoint_every of its tokens. */
+  fgdn_tensor checkpoints;
+} fgdn_fwd_args;
+
+typedef struct fgdn_bwd_args {
+  fgdn_inputs in;
+  fgdn_tensor d_o;           /* [B, T, Hv, V], dtype of q */
+  fgdn_tensor d_final_state; /* [N, Hv, K, V] fp32, optional (zero when absent) */
+  fgdn_tensor dq;            /* [B, T, Hq, K], dtype of q (w.r.t. the raw q when l2norm) */
+  fgdn_tensor dk;            /* [B, T, Hq, K], dtype of k */
+  fgdn_tensor dv;            /* [B, T, Hv, V], dtype of v */
+  fgdn_tensor dg;            /* [B, T, Hv], dtype of g (gradient of a with gate_in_kernel) */
+  fgdn_tensor dbeta;         /* [B, T, Hv], dtype of beta */
+  fgdn_tensor dA_log;        /* [Hv] fp32, required iff gate_in_kernel */
+  fgdn_tensor ddt_bias;      /* [Hv] fp32, required iff gate_in_kernel and dt_bias given */
+  fgdn_tensor dh0;           /* [N, Hv, K, V] fp32, optional (only with initial_state) */
+} fgdn_bwd_args;
+
+/* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as
+   workspace, or NULL to let the library allocate it on the stream. */
+FGDN_API fgdn_status fgdn_forward_workspace_size(const fgdn_fwd_args* args, size_t* bytes);
+FGDN_API fgdn_status fgdn_backward_workspace_size(const fgdn_bwd_args* args, size_t* bytes);
+
+/* stream: a cudaStream_t for device tensors (NULL: the default stream); ignored on the CPU. */
+FGDN_API fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace,
+                                  size_t workspace_bytes, void* stream);
+FGDN_API fgdn_status fgdn_backward(const fgdn_bwd_args* args, void* workspace,
+                                   size_t workspace_bytes, void* stream);
+
+/* The message of the calling thread's last failed call ("" if none). */
+FGDN_API const char* fgdn_last_error(void);
+/* 1 if this build has the CUDA backend. */
+FGDN_API int fgdn_has_cuda(void);
+FGDN_API const char* fgdn_version(void);
+
+/* An fgdn_tensor with every field zero: an absent optional tensor. */
+static inline fgdn_tensor fgdn_tensor_none(void) {
+  fgdn_tensor t;
+  size_t i;
+  unsigned char* p = (unsigned char*)&t;
+  for (i = 0; i < sizeof(t); ++i) p[i] = 0;
+  return t;
+}
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLASHGDN_FLASHGDN_H_ */
