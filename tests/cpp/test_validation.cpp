@@ -1,0 +1,311 @@
+// Every public entry point rejects bad input before writing anything, with a message that names
+// the argument and what was expected. Each case below breaks one thing in an otherwise valid call.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flashgdn/flashgdn.hpp"
+
+namespace {
+
+using flashgdn::host_tensor;
+
+constexpr float kSentinel = 12345.f;
+
+// A valid small varlen problem on the host (fp32), with every output pre-filled by a sentinel.
+struct Fixture {
+  static constexpr int64_t T = 70, Hq = 2, Hv = 4, K = 16, V = 32, N = 2;
+  std::vector<float> q, k, v, g, beta, h0, o, ht, ck, d_o, dht, dq, dk, dv, dg, dbeta, dh0, A_log;
+  std::vector<int64_t> cu{0, 30, T};
+  std::vector<int64_t> idx{1, 0};
+  flashgdn::FwdArgs fa;
+  flashgdn::BwdArgs ba;
+
+  Fixture() {
+    auto init = [](std::vector<float>& x, size_t n, float val) { x.assign(n, val); };
+    init(q, T * Hq * K, 0.1f);
+    init(k, T * Hq * K, 0.1f);
+    init(v, T * Hv * V, 0.2f);
+    init(g, T * Hv, -0.5f);
+    init(beta, T * Hv, 0.5f);
+    init(h0, N * Hv * K * V, 0.01f);
+    init(d_o, T * Hv * V, 1.f);
+    init(dht, N * Hv * K * V, 1.f);
+    init(A_log, Hv, 0.f);
+    init(o, T * Hv * V, kSentinel);
+    init(ht, N * Hv * K * V, kSentinel);
+    init(ck, 4 * Hv * K * V, kSentinel);
+    init(dq, T * Hq * K, kSentinel);
+    init(dk, T * Hq * K, kSentinel);
+    init(dv, T * Hv * V, kSentinel);
+    init(dg, T * Hv, kSentinel);
+    init(dbeta, T * Hv, kSentinel);
+    init(dh0, N * Hv * K * V, kSentinel);
+
+    fgdn_inputs& in = fa.in;
+    in.q = host_tensor(q.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    in.k = host_tensor(k.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    in.v = host_tensor(v.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    in.g = host_tensor(g.data(), FGDN_FLOAT32, {1, T, Hv});
+    in.beta = host_tensor(beta.data(), FGDN_FLOAT32, {1, T, Hv});
+    in.cu_seqlens = host_tensor(cu.data(), FGDN_INT64, {N + 1});
+    in.initial_state = host_tensor(h0.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    fa.o = host_tensor(o.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    fa.final_state = host_tensor(ht.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    fa.output_final_state = 1;
+
+    ba.in = in;
+    ba.d_o = host_tensor(d_o.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    ba.d_final_state = host_tensor(dht.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    ba.dq = host_tensor(dq.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    ba.dk = host_tensor(dk.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    ba.dv = host_tensor(dv.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    ba.dg = host_tensor(dg.data(), FGDN_FLOAT32, {1, T, Hv});
+    ba.dbeta = host_tensor(dbeta.data(), FGDN_FLOAT32, {1, T, Hv});
+    ba.dh0 = host_tensor(dh0.data(), FGDN_FLOAT32, {N, Hv, K, V});
+  }
+
+  bool outputs_untouched() const {
+    for (const auto* out : {&o, &ht, &ck, &dq, &dk, &dv, &dg, &dbeta, &dh0})
+      for (float x : *out)
+        if (x != kSentinel) return false;
+    return true;
+  }
+};
+
+struct Case {
+  std::string name;
+  bool backward;  // break the backward call instead of the forward one
+  std::function<void(Fixture&)> mutate;
+  std::vector<std::string> message_parts;  // each must appear in the error message
+};
+
+// Both sides of every case start from the same valid inputs.
+void apply_inputs(Fixture& f, const std::function<void(fgdn_inputs&)>& m) {
+  m(f.fa.in);
+  m(f.ba.in);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  auto in_case = [&](const char* name, std::function<void(fgdn_inputs&)> m,
+                     std::vector<std::string> parts) {
+    c.push_back({name, false, [m](Fixture& f) { apply_inputs(f, m); }, parts});
+    c.push_back({std::string(name) + "_backward", true, [m](Fixture& f) { apply_inputs(f, m); }, parts});
+  };
+  // Shapes and ranks.
+  in_case("q_rank", [](fgdn_inputs& in) { in.q.ndim = 3; }, {"'q'", "4 dimensions"});
+  in_case("k_shape", [](fgdn_inputs& in) { in.k.shape[3] = 32; in.k.strides[2] = 32; },
+          {"'k'", "shape [B=1, T=70, Hq=2, K=16]", "got shape [1, 70, 2, 32]"});
+  in_case("v_heads_not_multiple", [](fgdn_inputs& in) { in.v.shape[2] = 3; },
+          {"'v'", "multiple of Hq=2", "Hv=3"});
+  in_case("unsupported_head_dim", [](fgdn_inputs& in) { in.q.shape[3] = in.k.shape[3] = 48; },
+          {"'q'", "head dim K in {16, 32, 64, 128, 256}", "K=48"});
+  in_case("g_shape", [](fgdn_inputs& in) { in.g.shape[2] = 2; }, {"'g'", "[B=1, T=70, Hv=4]"});
+  in_case("beta_rank", [](fgdn_inputs& in) { in.beta.ndim = 2; }, {"'beta'", "3 dimensions"});
+  // Dtypes and devices.
+  in_case("k_dtype_mismatch", [](fgdn_inputs& in) { in.k.dtype = FGDN_FLOAT16; },
+          {"'k'", "dtype float32", "got dtype float16"});
+  in_case("g_dtype", [](fgdn_inputs& in) { in.g.dtype = FGDN_FLOAT16; },
+          {"'g'", "float32 or bfloat16", "float16"});
+  in_case("q_dtype_int", [](fgdn_inputs& in) { in.q.dtype = FGDN_INT32; }, {"'q'", "dtype bfloat16 or float16 or float32"});
+  in_case("v_device_mismatch", [](fgdn_inputs& in) { in.v.device_type = FGDN_CUDA; },
+          {"'v'", "a tensor on cpu (the device of q)", "cuda:0"});
+  in_case("unknown_device", [](fgdn_inputs& in) { in.beta.device_type = 7; }, {"'beta'", "a cpu or cuda tensor"});
+  // Strides.
+  in_case("q_last_dim_strided", [](fgdn_inputs& in) { in.q.strides[3] = 2; },
+          {"'q'", "contiguous last dimension", "stride 2"});
+  in_case("v_negative_stride", [](fgdn_inputs& in) { in.v.strides[1] = -in.v.strides[1]; },
+          {"'v'", "non-negative strides"});
+  // cu_seqlens.
+  in_case("cu_seqlens_not_from_zero", [](fgdn_inputs& in) { static int64_t cu[] = {1, 30, 70}; in.cu_seqlens.data = cu; },
+          {"'cu_seqlens'", "first entry of 0", "cu_seqlens[0]=1"});
+  in_case("cu_seqlens_decreasing", [](fgdn_inputs& in) { static int64_t cu[] = {0, 71, 70}; in.cu_seqlens.data = cu; },
+          {"'cu_seqlens'", "non-decreasing", "cu_seqlens[2]=70 < cu_seqlens[1]=71"});
+  in_case("cu_seqlens_not_ending_at_T", [](fgdn_inputs& in) { static int64_t cu[] = {0, 30, 69}; in.cu_seqlens.data = cu; },
+          {"'cu_seqlens'", "last entry equal to T=70", "cu_seqlens[2]=69"});
+  in_case("cu_seqlens_float", [](fgdn_inputs& in) { in.cu_seqlens.dtype = FGDN_FLOAT32; },
+          {"'cu_seqlens'", "int32 or int64"});
+  in_case("cu_seqlens_one_entry", [](fgdn_inputs& in) { in.cu_seqlens.shape[0] = 1; },
+          {"'cu_seqlens'", "at least 2 entries"});
+  in_case("cu_seqlens_host_mismatch", [](fgdn_inputs& in) {
+            static int64_t cu[] = {0, 70};
+            in.cu_seqlens_host = host_tensor(cu, FGDN_INT64, {2});
+          },
+          {"'cu_seqlens_host'", "[N+1=3]"});
+  // Initial state and pool.
+  in_case("initial_state_shape", [](fgdn_inputs& in) { in.initial_state.shape[2] = 32; },
+          {"'initial_state'", "[N=2, Hv=4, K=16, V=32]", "got shape [2, 4, 32, 32]"});
+  in_case("initial_state_v_first_shape", [](fgdn_inputs& in) { in.state_v_first = 1; },
+          {"'initial_state'", "[N=2, Hv=4, V=32, K=16]"});
+  in_case("initial_state_dtype", [](fgdn_inputs& in) { in.initial_state.dtype = FGDN_BFLOAT16; },
+          {"'initial_state'", "dtype float32", "bfloat16"});
+  in_case("state_indices_out_of_pool", [](fgdn_inputs& in) {
+            static int64_t idx[] = {0, 2};
+            in.state_indices = host_tensor(idx, FGDN_INT64, {2});
+          },
+          {"'state_indices'", "below the pool size P=2", "state_indices[1]=2"});
+  in_case("state_indices_duplicate", [](fgdn_inputs& in) {
+            static int32_t idx[] = {1, 1};
+            in.state_indices = host_tensor(idx, FGDN_INT32, {2});
+          },
+          {"'state_indices'", "distinct", "index 1 twice"});
+  in_case("state_indices_without_pool", [](fgdn_inputs& in) {
+            static int32_t idx[] = {0, 1};
+            in.state_indices = host_tensor(idx, FGDN_INT32, {2});
+            in.initial_state = fgdn_tensor_none();
+          },
+          {"'initial_state'", "state pool"});
+  // Scale.
+  in_case("scale_nan", [](fgdn_inputs& in) { in.has_scale = 1; in.scale = std::nan(""); },
+          {"'scale'", "finite", "nan"});
+  in_case("scale_inf", [](fgdn_inputs& in) { in.has_scale = 1; in.scale = HUGE_VAL; },
+          {"'scale'", "finite", "inf"});
+  // Gate computed in the kernel.
+  in_case("gate_in_kernel_without_A_log", [](fgdn_inputs& in) { in.gate_in_kernel = 1; },
+          {"'A_log'", "shape [Hv=4]", "none"});
+  in_case("A_log_without_gate_in_kernel", [](fgdn_inputs& in) {
+            static float a[4];
+            in.A_log = host_tensor(a, FGDN_FLOAT32, {4});
+          },
+          {"'A_log'", "gate_in_kernel is 0"});
+
+  // Forward outputs.
+  auto fwd = [&](const char* name, std::function<void(Fixture&)> m, std::vector<std::string> p) {
+    c.push_back({name, false, m, p});
+  };
+  fwd("o_dtype", [](Fixture& f) { f.fa.o.dtype = FGDN_BFLOAT16; }, {"'o'", "dtype float32"});
+  fwd("o_shape", [](Fixture& f) { f.fa.o.shape[3] = 16; }, {"'o'", "[B=1, T=70, Hv=4, V=32]"});
+  fwd("final_state_missing", [](Fixture& f) { f.fa.final_state = fgdn_tensor_none(); },
+      {"'final_state'", "none"});
+  fwd("final_state_unrequested", [](Fixture& f) { f.fa.output_final_state = 0; },
+      {"'final_state'", "output_final_state is 0"});
+  fwd("checkpoint_every_not_64", [](Fixture& f) { f.fa.checkpoint_every = 48; },
+      {"'checkpoint_every'", "multiple of 64", "48"});
+  fwd("checkpoints_too_few_rows", [](Fixture& f) {
+        // Sequences of 30 and 40 tokens every 64: 0 rows needed; every 64 on a 70-token dense
+        // problem: 1 row. Make it dense with B = 1 and give zero rows.
+        f.fa.in.cu_seqlens = fgdn_tensor_none();
+        f.fa.in.initial_state.shape[0] = 1;
+        f.fa.final_state.shape[0] = 1;
+        f.fa.checkpoint_every = 64;
+        f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {0, 4, 16, 32});
+      },
+      {"'checkpoints'", "at least R=1 rows"});
+  fwd("checkpoints_unrequested", [](Fixture& f) {
+        f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {1, 4, 16, 32});
+      },
+      {"'checkpoints'", "checkpoint_every is 0"});
+  fwd("final_state_with_pool", [](Fixture& f) {
+        static int64_t idx[] = {1, 0};
+        f.fa.in.state_indices = host_tensor(idx, FGDN_INT64, {2});
+      },
+      {"'final_state'", "written back into the initial_state pool"});
+  fwd("cu_seqlens_with_batch", [](Fixture& f) {
+        // Two batch rows: cu_seqlens needs B == 1 (checked once the shapes agree).
+        for (fgdn_tensor* t : {&f.fa.in.q, &f.fa.in.k, &f.fa.in.v, &f.fa.in.g, &f.fa.in.beta, &f.fa.o}) {
+          t->shape[0] = 2;
+          t->shape[1] = 35;
+        }
+        static int64_t cu[] = {0, 30, 35};
+        f.fa.in.cu_seqlens.data = cu;
+      },
+      {"'q'", "B=1 when cu_seqlens is given", "B=2"});
+
+  // Backward outputs.
+  auto bwd = [&](const char* name, std::function<void(Fixture&)> m, std::vector<std::string> p) {
+    c.push_back({name, true, m, p});
+  };
+  bwd("d_o_missing", [](Fixture& f) { f.ba.d_o = fgdn_tensor_none(); }, {"'d_o'", "none"});
+  bwd("dq_shape", [](Fixture& f) { f.ba.dq.shape[2] = 4; }, {"'dq'", "[B=1, T=70, Hq=2, K=16]"});
+  bwd("dv_dtype", [](Fixture& f) { f.ba.dv.dtype = FGDN_FLOAT16; }, {"'dv'", "dtype float32"});
+  bwd("dg_missing", [](Fixture& f) { f.ba.dg = fgdn_tensor_none(); }, {"'dg'", "none"});
+  bwd("dbeta_shape", [](Fixture& f) { f.ba.dbeta.shape[1] = 69; }, {"'dbeta'", "[B=1, T=70, Hv=4]"});
+  bwd("d_final_state_shape", [](Fixture& f) { f.ba.d_final_state.shape[0] = 3; },
+      {"'d_final_state'", "[N=2, Hv=4, K=16, V=32]"});
+  bwd("dh0_without_initial_state", [](Fixture& f) { f.ba.in.initial_state = fgdn_tensor_none(); },
+      {"'dh0'", "initial_state is not given"});
+  bwd("dA_log_missing", [](Fixture& f) {
+        f.ba.in.gate_in_kernel = 1;
+        f.ba.in.A_log = host_tensor(f.A_log.data(), FGDN_FLOAT32, {4});
+      },
+      {"'dA_log'", "none"});
+  return c;
+}
+
+class Validation : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Validation, RejectsWithMessageAndWritesNothing) {
+  const Case& c = GetParam();
+  Fixture f;
+  c.mutate(f);
+  const fgdn_status s = c.backward ? fgdn_backward(&f.ba, nullptr, 0, nullptr)
+                                   : fgdn_forward(&f.fa, nullptr, 0, nullptr);
+  const std::string msg = fgdn_last_error();
+  EXPECT_EQ(s, FGDN_ERROR_INVALID_ARGUMENT) << msg;
+  EXPECT_EQ(msg.rfind(c.backward ? "fgdn_backward: " : "fgdn_forward: ", 0), 0u) << msg;
+  for (const std::string& part : c.message_parts)
+    EXPECT_NE(msg.find(part), std::string::npos) << "missing \"" << part << "\" in: " << msg;
+  EXPECT_TRUE(f.outputs_untouched());
+  // The workspace queries validate the same way.
+  size_t bytes = 0;
+  const fgdn_status ws = c.backward ? fgdn_backward_workspace_size(&f.ba, &bytes)
+                                    : fgdn_forward_workspace_size(&f.fa, &bytes);
+  EXPECT_EQ(ws, FGDN_ERROR_INVALID_ARGUMENT);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Validation, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+TEST(ValidationApi, ValidCallsSucceedAndWrite) {
+  Fixture f;
+  ASSERT_EQ(fgdn_forward(&f.fa, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+  ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+  EXPECT_FALSE(f.outputs_untouched());
+  EXPECT_STREQ(fgdn_last_error(), "");
+}
+
+TEST(ValidationApi, NullPointers) {
+  EXPECT_EQ(fgdn_forward(nullptr, nullptr, 0, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fgdn_last_error()).find("'args'"), std::string::npos);
+  EXPECT_EQ(fgdn_backward(nullptr, nullptr, 0, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  Fixture f;
+  EXPECT_EQ(fgdn_forward_workspace_size(&f.fa, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fgdn_last_error()).find("'bytes'"), std::string::npos);
+}
+
+TEST(ValidationApi, CppApiThrowsErrorWithStatus) {
+  Fixture f;
+  f.fa.in.v.shape[2] = 3;
+  try {
+    flashgdn::forward(f.fa);
+    FAIL() << "expected flashgdn::Error";
+  } catch (const flashgdn::Error& e) {
+    EXPECT_EQ(e.status(), FGDN_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("'v'"), std::string::npos);
+  }
+}
+
+TEST(ValidationApi, HostWorkspaceIsZero) {
+  Fixture f;
+  EXPECT_EQ(flashgdn::forward_workspace_size(f.fa), 0u);
+  EXPECT_EQ(flashgdn::backward_workspace_size(f.ba), 0u);
+}
+
+#ifndef FLASHGDN_WITH_CUDA
+TEST(ValidationApi, CudaTensorsWithoutCudaBuildAreNotSupported) {
+  Fixture f;
+  for (fgdn_tensor* t : {&f.fa.in.q, &f.fa.in.k, &f.fa.in.v, &f.fa.in.g, &f.fa.in.beta,
+                         &f.fa.in.cu_seqlens, &f.fa.in.initial_state, &f.fa.o, &f.fa.final_state})
+    t->device_type = FGDN_CUDA;
+  EXPECT_EQ(fgdn_forward(&f.fa, nullptr, 0, nullptr), FGDN_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(fgdn_last_error()).find("no CUDA backend"), std::string::npos);
+  EXPECT_TRUE(f.outputs_untouched());
+}
+#endif
+
+}  // namespace
