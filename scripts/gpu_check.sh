@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# On a GPU machine, in one call: build (or take a build carried from the CPU machine), run the
+# C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
+#
+#   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all)
+#
+# Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
+# stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashgdn-gpu}
+mkdir -p "$OUT"
+STEPS=${1:-build,ctest,pytest,sanitize,time}
+BUILD=${FLASHGDN_BUILD:-build-gpu}
+PY=${PYTHON:-python3}
+declare -a SUMMARY
+note() { SUMMARY+=("| $1 | $2 |"); }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%F)" | tee -a "$OUT/gpu.txt"
+
+if has build && [ ! -x "$BUILD/flashgdn_tests" ]; then
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+    cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+if has ctest; then
+  t0=$SECONDS
+  "$BUILD/flashgdn_tests" --gtest_brief=1 >"$OUT/ctest.log" 2>&1
+  rc=$?
+  tail -5 "$OUT/ctest.log"
+  note "C++ tests (all, GPU included)" "$([ $rc -eq 0 ] && echo pass || echo FAIL) ($(grep -c '^\[  FAILED' "$OUT/ctest.log") failed lines, $((SECONDS - t0)) s)"
+fi
+
+if has pytest; then
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if ls dist/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --target /tmp/site dist/*.whl
+  else
+    $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+  fi
+  t0=$SECONDS
+  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python -x -p no:cacheprovider \
+    >"$OUT/pytest.log" 2>&1
+  rc=$?
+  tail -15 "$OUT/pytest.log"
+  note "Python GPU tests" "$(tail -1 "$OUT/pytest.log" | tr -d '=') ($((SECONDS - t0)) s)"
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck synccheck initcheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+      "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-Cuda*Small*}" \
+      >"$OUT/sanitize-$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-$tool.log" || echo 'no summary'))"
+  done
+fi
+
+if has time; then
+  $PY bench/quick.py --out "$OUT/timing.md" 2>&1 | tail -20
+fi
+
+echo
+echo "| step | result |"
+echo "|---|---|"
+printf '%s\n' "${SUMMARY[@]}"
+[ -f "$OUT/timing.md" ] && cat "$OUT/timing.md"
+exit 0

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what flashgdn's build and tests need on a fresh Debian/Ubuntu machine, idempotently:
+# the C++ toolchain from Debian's packages, and a Python virtual environment (PyTorch, nanobind,
+# scikit-build-core, pytest) from PyPI with pip's cache, created once and reused.
+# Prints the venv's python path last; --cpp-only stops after the toolchain. FLASHGDN_VENV overrides where the venv lives.
+set -euo pipefail
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]} from Debian's packages" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >&2
+fi
+
+if [ "${1:-}" = "--cpp-only" ]; then
+  exit 0
+fi
+
+VENV="${FLASHGDN_VENV:-$HOME/.cache/flashgdn/venv}"
+PY="${FLASHGDN_PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV" >&2
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV" >&2
+fi
+# One install, then a no-op: pip skips what is there; its cache makes a fresh venv quick.
+"$VENV/bin/python" -m pip install -q --upgrade-strategy only-if-needed \
+  torch numpy pytest hypothesis "nanobind>=2.0" "scikit-build-core>=0.10" ninja cmake >&2
+echo "$VENV/bin/python"
