@@ -1,0 +1,54 @@
+// flashgdn::cuda entry points (cuda_backend.h): workspace sizing and dispatch to the kernels.
+// No host synchronisation; everything runs on the caller's stream.
+#include <cuda_runtime.h>
+
+#include "cuda/chunk_bwd.h"
+#include "cuda/chunk_fwd.cuh"
+#include "cuda/cuda_backend.h"
+#include "cuda/device_utils.cuh"
+
+namespace flashgdn::cuda {
+namespace {
+
+// Makes the tensors' device current for the scope and restores the caller's device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device_id) {
+    FGDN_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device_id) FGDN_CUDA_CHECK(cudaSetDevice(device_id));
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+}  // namespace
+
+size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& /*a*/) {
+  return chunk_fwd_workspace_bytes(p);
+}
+
+void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* stream) {
+  DeviceScope scope(p.device_id);
+  ChunkFwdOutputs out;
+  out.o = a.o;
+  out.write_final = a.output_final_state != 0;
+  out.final_state = a.final_state;
+  if (p.checkpoint_every > 0) out.checkpoints = a.checkpoints;
+  launch_chunk_fwd_ws(p, a.in, workspace, out, static_cast<cudaStream_t>(stream));
+}
+
+size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& /*a*/) {
+  return backward_workspace_bytes(p);
+}
+
+void backward(const Problem& p, const fgdn_bwd_args& a, void* workspace, void* stream) {
+  DeviceScope scope(p.device_id);
+  launch_backward(p, a, workspace, static_cast<cudaStream_t>(stream));
+  FGDN_CHECK_LAUNCH("the CUDA backward");
+}
+
+}  // namespace flashgdn::cuda

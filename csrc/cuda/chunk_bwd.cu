@@ -1,0 +1,130 @@
+// Backward launcher: workspace layout and the kernel chain (see chunk_bwd.h).
+//   1. prep    (per chunk)     qn/kn, c, T, W, U, local dv            chunk_bwd_prep.cu
+//   2. state   (per sequence)  chunk-start states h, V_new            chunk_bwd_state.cu
+//   3. dh      (per sequence)  reverse pass: dh, dV_new, dh0          chunk_bwd_dh.cu
+//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu
+//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu
+//   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
+#include "cuda/chunk_bwd.h"
+
+#include "cuda/chunk_bwd_internal.cuh"
+
+namespace flashgdn::cuda {
+
+namespace {
+
+struct Layout {
+  size_t off[14];
+  size_t total;
+};
+
+size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+// Element counts (fp32) of the workspace regions, in BwdParams order.
+Layout make_layout(const Problem& p) {
+  const size_t S = static_cast<size_t>(num_chunk_slots(p));
+  const size_t D = static_cast<size_t>(p.K), C = bwd::kC;
+  const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
+  const size_t n[14] = {
+      S * C * Hq * D, S * C * Hq * D,  // qn, kn
+      S * C * Hq, S * C * Hq,          // rq, rk
+      S * Hv * C,                      // cg
+      S * Hv * D * D, S * Hv * D * D,  // h, dh
+      S * Hv * C * C,                  // Tm
+      S * Hv * C * D, S * Hv * C * D, S * Hv * C * D,  // W, vn, dvn
+      S * Hv * C * D, S * Hv * C * D,  // dqh, dkh
+      S * Hv * C,                      // dc
+  };
+  Layout L{};
+  size_t o = 0;
+  for (int i = 0; i < 14; ++i) {
+    L.off[i] = o;
+    o += align256(n[i] * sizeof(float));
+  }
+  L.total = o + align256(S * Hv * 2 * sizeof(float));  // gpart
+  return L;
+}
+
+bwd::Tensor4 t4(const fgdn_tensor& t) {
+  bwd::Tensor4 r{};
+  r.data = t.data;
+  if (t.ndim >= 3) {
+    r.s0 = t.strides[0];
+    r.s1 = t.strides[1];
+    r.s2 = t.strides[2];
+  }
+  return r;
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const flashgdn::Problem& p) { return make_layout(p).total; }
+
+void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* workspace,
+                     cudaStream_t stream) {
+  const fgdn_inputs& in = a.in;
+  bwd::BwdParams P{};
+  P.B = p.B;
+  P.T = p.T;
+  P.Hq = p.Hq;
+  P.Hv = p.Hv;
+  P.D = p.K;
+  P.N = p.N;
+  P.group = p.group;
+  P.num_chunks = num_chunk_slots(p);
+  P.scale = p.scale;
+  P.qkv_dtype = p.qkv_dtype;
+  P.g_dtype = p.g_dtype;
+  P.beta_dtype = p.beta_dtype;
+  P.l2norm = p.l2norm;
+  P.gate_in_kernel = p.gate_in_kernel;
+  P.has_dt_bias = p.has_dt_bias;
+  P.state_v_first = p.state_v_first;
+  P.has_initial_state = p.has_initial_state;
+  P.has_state_indices = p.has_state_indices;
+  P.has_d_final_state = p.has_d_final_state;
+  P.want_dh0 = p.want_dh0;
+  P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
+  P.seq = make_seq_layout(p, in);
+
+  P.q = t4(in.q);
+  P.k = t4(in.k);
+  P.v = t4(in.v);
+  P.g = t4(in.g);
+  P.beta = t4(in.beta);
+  P.d_o = t4(a.d_o);
+  P.A_log = static_cast<const float*>(in.A_log.data);
+  P.dt_bias = static_cast<const float*>(in.dt_bias.data);
+  P.state_indices = in.state_indices.data;
+  P.h0 = t4(in.initial_state);
+  P.d_final_state = t4(a.d_final_state);
+  P.dq = t4(a.dq);
+  P.dk = t4(a.dk);
+  P.dv = t4(a.dv);
+  P.dg = t4(a.dg);
+  P.dbeta = t4(a.dbeta);
+  P.dA_log = static_cast<float*>(a.dA_log.data);
+  P.ddt_bias = static_cast<float*>(a.ddt_bias.data);
+  P.dh0 = t4(a.dh0);
+
+  const Layout L = make_layout(p);
+  char* w = static_cast<char*>(workspace);
+  float** dst[14] = {&P.qn, &P.kn, &P.rq, &P.rk, &P.cg, &P.h, &P.dh,
+                     &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
+  for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);
+  P.gpart = reinterpret_cast<float*>(w + L.total - align256(num_chunk_slots(p) * p.Hv * 2 * sizeof(float)));
+
+  const bool any_chunks = P.num_chunks > 0;
+  if (any_chunks) bwd::launch_bwd_prep(P, stream);
+  if (P.N > 0) bwd::launch_bwd_state(P, stream);
+  if (P.N > 0) bwd::launch_bwd_dh(P, stream);
+  if (any_chunks) {
+    bwd::launch_bwd_dqk(P, stream);
+    bwd::launch_bwd_wy(P, stream);
+    bwd::launch_bwd_reduce(P, stream);
+  } else if (P.gate_in_kernel) {
+    bwd::launch_bwd_reduce(P, stream);
+  }
+}
+
+}  // namespace flashgdn::cuda

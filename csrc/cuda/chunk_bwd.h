@@ -1,0 +1,29 @@
+// CUDA backward of the chunked gated delta rule (chunk 64), sm_90a.
+//
+// launch_backward recomputes the chunk-start states with the forward helper's launcher,
+// runs a reverse sequential pass over the chunks of every (sequence, value head) carrying
+// dS in fp32, computes the per-chunk gradients in parallel and reduces dq/dk over the value
+// heads of a GVA group (and dA_log / ddt_bias) deterministically, in a fixed order.
+// No floating-point atomics, no host synchronisation (graph capturable), int64 offsets.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_runtime.h>
+
+#include "common/problem.h"
+#include "flashgdn/flashgdn.h"
+
+namespace flashgdn::cuda {
+
+// Device scratch launch_backward needs, in bytes (a multiple of 256).
+size_t backward_workspace_bytes(const flashgdn::Problem& p);
+
+// Writes every output tensor of a (dq, dk, dv, dg, dbeta, dA_log / ddt_bias when
+// gate_in_kernel, dh0 when given). workspace: at least backward_workspace_bytes(p) bytes of
+// device memory, 256-byte aligned. Asynchronous on stream; errors of launches are reported
+// through the usual CUDA error state (the caller checks cudaGetLastError()).
+void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* workspace,
+                     cudaStream_t stream);
+
+}  // namespace flashgdn::cuda

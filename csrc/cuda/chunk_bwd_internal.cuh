@@ -1,0 +1,144 @@
+// Private to the backward (chunk_bwd*.cu): the parameter block every backward kernel gets, the
+// workspace layout, typed scalar loads/stores and a block-level tensor-core GEMM.
+//
+// Layout of the per-chunk workspace: everything is indexed by (global chunk id gc, value head
+// h) as row r = gc * Hv + h, with C = 64 token rows per chunk; rows past the chunk's length are
+// zero. All offsets are int64.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cuda/chunk_index.cuh"
+#include "cuda/device_utils.cuh"
+#include "flashgdn/flashgdn.h"
+
+namespace flashgdn::cuda::bwd {
+
+constexpr int kC = 64;          // chunk length
+constexpr int kThreads = 256;   // threads per block of the per-chunk kernels (8 warps)
+
+struct Tensor4 {  // a strided device tensor (element strides)
+  void* data;
+  int64_t s0, s1, s2;
+};
+
+struct BwdParams {
+  // problem
+  int64_t B, T, Hq, Hv, D, N, group;
+  int64_t num_chunks;  // chunk slots: num_chunk_slots(p) (chunk_index.cuh; some may be unused)
+  float scale;
+  int32_t qkv_dtype, g_dtype, beta_dtype;
+  int32_t l2norm, gate_in_kernel, has_dt_bias, state_v_first;
+  int32_t has_initial_state, has_state_indices, has_d_final_state, want_dh0;
+  int32_t idx_dtype;  // state_indices dtype
+
+  SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
+
+  // inputs
+  Tensor4 q, k, v, g, beta, d_o;  // g/beta: s0 = batch stride, s1 = token, s2 = head
+  const float* A_log;
+  const float* dt_bias;
+  const void* state_indices;
+  Tensor4 h0;             // initial state / pool [P, Hv, ., .]
+  Tensor4 d_final_state;  // [N, Hv, ., .]: s0, s1 (head), s2 (row); last dim unit
+  // outputs
+  Tensor4 dq, dk, dv, dg, dbeta;
+  float* dA_log;
+  float* ddt_bias;
+  Tensor4 dh0;
+
+  // workspace (fp32 unless noted)
+  float* qn;    // [num_chunks * 64, Hq, D]  normalised q (or q), slot layout
+  float* kn;    // [num_chunks * 64, Hq, D]
+  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (l2norm only)
+  float* rk;    // [num_chunks * 64, Hq]
+  float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
+  float* h;     // [num_chunks * Hv, D, D]   chunk-start states (S_0 of each chunk)
+  float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
+  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
+  float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
+  float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
+  float* dvn;   // [num_chunks * Hv, 64, D]  local dv, then dV_new
+  float* dqh;   // [num_chunks * Hv, 64, D]  dq per value head (w.r.t. normalised q)
+  float* dkh;   // [num_chunks * Hv, 64, D]
+  float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
+  float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
+};
+
+__device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
+  return b * t.s0 + tok * t.s1 + h * t.s2;
+}
+
+// ---- block GEMM on tensor cores -------------------------------------------------------------
+// C[M x N] = sum_k A(i, k) B(k, j) over k < KK, with fa(i, k), fb(k, j) returning fp32. Each
+// operand is split into a bf16 high part and a bf16 low part, and the product is formed as
+// hi*hi + hi*lo + lo*hi with mma.sync m16n8k16 (fp32 accumulate): about fp32 accuracy on tensor
+// cores. Warps take 16 x 32 tiles of C in turn; fe(i, j, value) receives every element once,
+// from the thread that owns it. The summation order is fixed: results are bitwise reproducible.
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+
+template <int M, int N, int KK, class FA, class FB, class FE>
+__device__ __forceinline__ void block_gemm(const FA& fa, const FB& fb, const FE& fe) {
+  static_assert(M % 16 == 0 && N % 32 == 0 && KK % 16 == 0, "tile shape");
+  constexpr int kTilesN = N / 32;
+  constexpr int kTiles = (M / 16) * kTilesN;
+  const int lane = threadIdx.x & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int nw = blockDim.x >> 5;
+  for (int tile = threadIdx.x >> 5; tile < kTiles; tile += nw) {
+    const int m0 = (tile / kTilesN) * 16, n0 = (tile % kTilesN) * 32;
+    float acc[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) acc[a][b] = 0.f;
+#pragma unroll 1
+    for (int k0 = 0; k0 < KK; k0 += 16) {
+      uint32_t ahi[4], alo[4];  // NOLINT
+      const int r0 = m0 + gq, r1 = m0 + gq + 8, c0 = k0 + 2 * tq, c1 = k0 + 2 * tq + 8;
+      split2(fa(r0, c0), fa(r0, c0 + 1), ahi[0], alo[0]);
+      split2(fa(r1, c0), fa(r1, c0 + 1), ahi[1], alo[1]);
+      split2(fa(r0, c1), fa(r0, c1 + 1), ahi[2], alo[2]);
+      split2(fa(r1, c1), fa(r1, c1 + 1), ahi[3], alo[3]);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = n0 + nt * 8 + gq;
+        uint32_t bhi[2], blo[2];
+        split2(fb(c0, col), fb(c0 + 1, col), bhi[0], blo[0]);
+        split2(fb(c1, col), fb(c1 + 1, col), bhi[1], blo[1]);
+        mma_16816<__nv_bfloat16>(acc[nt], alo, bhi[0], bhi[1]);
+        mma_16816<__nv_bfloat16>(acc[nt], ahi, blo[0], blo[1]);
+        mma_16816<__nv_bfloat16>(acc[nt], ahi, bhi[0], bhi[1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int col = n0 + nt * 8 + 2 * tq;
+      fe(m0 + gq, col, acc[nt][0]);
+      fe(m0 + gq, col + 1, acc[nt][1]);
+      fe(m0 + gq + 8, col, acc[nt][2]);
+      fe(m0 + gq + 8, col + 1, acc[nt][3]);
+    }
+  }
+}
+
+// ---- host-side launchers (one per file) -------------------------------------------------------
+void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qn/kn, c, T, W, U, local dv
+void launch_bwd_state(const BwdParams& P, cudaStream_t s);      // forward pass: h, V_new
+void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
+void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
+void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part)
+void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg, dA_log
+
+}  // namespace flashgdn::cuda::bwd

@@ -1,0 +1,181 @@
+// Backward, step 1: per-chunk preparation (parallel over chunks and heads).
+//
+//  qk_prep:    qn = q / ||q|| (or q), kn likewise, fp32, in slot layout; rq, rk = 1 / ||x||.
+//  chunk_prep: c (in-chunk cumulative gate), A = strict_lower(diag(beta) Kn Kn^T (.) D),
+//              T = (I + A)^-1 (fp32 forward substitution), W = T diag(beta exp(c)) Kn,
+//              U = T diag(beta) V (into vn; the state pass subtracts W h), and the local part
+//              of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (into dvn).
+#include "cuda/chunk_bwd_internal.cuh"
+
+namespace flashgdn::cuda::bwd {
+
+namespace {
+
+template <int D, typename TQ>
+__global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
+  const int64_t gc = blockIdx.x;
+  const int64_t hq = blockIdx.y;
+  ChunkInfo ci;
+  const bool valid = locate_chunk(P.seq, gc, ci);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const TQ* q = static_cast<const TQ*>(P.q.data);
+  const TQ* k = static_cast<const TQ*>(P.k.data);
+  for (int i = warp; i < kC; i += kThreads / 32) {
+    const int64_t row = (gc * kC + i) * P.Hq + hq;
+    float* qo = P.qn + row * D;
+    float* ko = P.kn + row * D;
+    if (!valid || i >= ci.len) {
+      for (int d = lane; d < D; d += 32) qo[d] = 0.f, ko[d] = 0.f;
+      continue;
+    }
+    const TQ* qi = q + tok_off(P.q, ci.b, ci.t0 + i, hq);
+    const TQ* ki = k + tok_off(P.k, ci.b, ci.t0 + i, hq);
+    float xq[D / 32], xk[D / 32];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      xq[u] = to_float(qi[lane + 32 * u]);
+      xk[u] = to_float(ki[lane + 32 * u]);
+      sq += xq[u] * xq[u];
+      sk += xk[u] * xk[u];
+    }
+    float r_q = 1.f, r_k = 1.f;
+    if (P.l2norm) {
+      sq = warp_sum(sq);
+      sk = warp_sum(sk);
+      r_q = 1.f / sqrtf(sq + 1e-6f);
+      r_k = 1.f / sqrtf(sk + 1e-6f);
+      if (lane == 0) P.rq[row] = r_q, P.rk[row] = r_k;
+    }
+#pragma unroll
+    for (int u = 0; u < D / 32; ++u) {
+      qo[lane + 32 * u] = xq[u] * r_q;
+      ko[lane + 32 * u] = xk[u] * r_k;
+    }
+  }
+}
+
+constexpr int kLd = kC + 1;  // padded leading dimension of 64 x 64 fp32 tiles in smem
+
+template <int D, typename TQ>
+__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
+  const int64_t gc = blockIdx.x;
+  const int64_t h = blockIdx.y;
+  ChunkInfo ci;
+  if (!locate_chunk(P.seq, gc, ci)) return;
+  const int64_t hq = h / P.group;
+  const int64_t r = gc * P.Hv + h;
+  const int len = ci.len;
+
+  __shared__ float s_c[kC], s_ec[kC], s_beta[kC];
+  __shared__ float s_A[kC * kLd];  // A, later P
+  __shared__ float s_T[kC * kLd];
+
+  const int tid = threadIdx.x;
+  if (tid < kC) {
+    float g = 0.f, b = 0.f;
+    if (tid < len) {
+      const int64_t t = ci.t0 + tid;
+      const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
+      const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
+      g = load_as_float(P.g.data, P.g_dtype, og);
+      if (P.gate_in_kernel) {
+        const float x = g + (P.has_dt_bias ? P.dt_bias[h] : 0.f);
+        g = -expf(P.A_log[h]) * softplus_f(x);
+      }
+      b = load_as_float(P.beta.data, P.beta_dtype, ob);
+    }
+    s_c[tid] = g;
+    s_beta[tid] = b;
+  }
+  __syncthreads();
+  if (tid == 0) {  // in-chunk cumulative sum, fixed order
+    float acc = 0.f;
+    for (int i = 0; i < kC; ++i) {
+      acc += s_c[i];
+      s_c[i] = acc;
+    }
+  }
+  __syncthreads();
+  if (tid < kC) {
+    s_ec[tid] = expf(s_c[tid]);
+    P.cg[r * kC + tid] = s_c[tid];
+  }
+  __syncthreads();
+
+  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;  // row i at kn[i * Hq * D]
+  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
+  const int64_t lds = P.Hq * D;
+
+  // A = strict_lower(diag(beta) Kn Kn^T (.) D)
+  block_gemm<kC, kC, D>(
+      [&](int i, int kk) { return kn[i * lds + kk]; },
+      [&](int kk, int j) { return kn[j * lds + kk]; },
+      [&](int i, int j, float v) {
+        s_A[i * kLd + j] = (i > j) ? s_beta[i] * expf(s_c[i] - s_c[j]) * v : 0.f;
+      });
+  __syncthreads();
+  // T = (I + A)^-1, one column per thread: x_i = delta_im - sum_{m <= j < i} A_ij x_j
+  if (tid < kC) {
+    const int m = tid;
+    for (int i = 0; i < m; ++i) s_T[i * kLd + m] = 0.f;
+    s_T[m * kLd + m] = 1.f;
+    for (int i = m + 1; i < kC; ++i) {
+      float x = 0.f;
+      for (int j = m; j < i; ++j) x -= s_A[i * kLd + j] * s_T[j * kLd + m];
+      s_T[i * kLd + m] = x;
+    }
+  }
+  __syncthreads();
+  float* Tg = P.Tm + r * kC * kC;
+  for (int e = tid; e < kC * kC; e += kThreads) Tg[e] = s_T[(e / kC) * kLd + (e % kC)];
+
+  // W = T diag(beta exp(c)) Kn ;  U = T diag(beta) V
+  float* Wg = P.W + r * kC * D;
+  float* vng = P.vn + r * kC * D;
+  block_gemm<kC, D, kC>(
+      [&](int i, int j) { return s_T[i * kLd + j]; },
+      [&](int j, int kk) { return s_beta[j] * s_ec[j] * kn[j * lds + kk]; },
+      [&](int i, int kk, float v) { Wg[i * D + kk] = v; });
+  const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
+  block_gemm<kC, D, kC>(
+      [&](int i, int j) { return s_T[i * kLd + j]; },
+      [&](int j, int vv) { return j < len ? s_beta[j] * to_float(vg[j * P.v.s1 + vv]) : 0.f; },
+      [&](int i, int vv, float v) { vng[i * D + vv] = v; });
+
+  // P = scale lower(Qn Kn^T (.) D) (diagonal included), then dvl = P^T dO
+  block_gemm<kC, kC, D>(
+      [&](int i, int kk) { return qn[i * lds + kk]; },
+      [&](int kk, int j) { return kn[j * lds + kk]; },
+      [&](int i, int j, float v) {
+        s_A[i * kLd + j] = (j <= i) ? P.scale * expf(s_c[i] - s_c[j]) * v : 0.f;
+      });
+  __syncthreads();
+  const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
+  float* dvg = P.dvn + r * kC * D;
+  block_gemm<kC, D, kC>(
+      [&](int j, int i) { return s_A[i * kLd + j]; },
+      [&](int i, int vv) { return i < len ? to_float(dog[i * P.d_o.s1 + vv]) : 0.f; },
+      [&](int j, int vv, float v) { dvg[j * D + vv] = v; });
+}
+
+template <int D, typename TQ>
+void launch_typed(const BwdParams& P, cudaStream_t s) {
+  qk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd qk_prep");
+  chunk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd chunk_prep");
+}
+
+}  // namespace
+
+void launch_bwd_prep(const BwdParams& P, cudaStream_t s) {
+  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
+  if (P.D == 64) {
+    bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
+  } else {
+    bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
+  }
+}
+
+}  // namespace flashgdn::cuda::bwd
