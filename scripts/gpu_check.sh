@@ -15,10 +15,13 @@ BUILD=${FLASHGDN_BUILD:-build-gpu}
 PY=${PYTHON:-python3}
 declare -a SUMMARY
 note() { SUMMARY+=("| $1 | $2 |"); }
+# Small shapes that together reach every kernel and path: varlen with empty and one-token
+# sequences, GVA, pools with a negative index, V-major states, checkpoints, l2norm, gate in kernel.
+DEFAULT_SANITIZE='Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:Cuda*state_indices*:Cuda*checkpoints_64*'
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%F)" | tee -a "$OUT/gpu.txt"
+echo "commit ${FLASHGDN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(date -u +%F)" | tee -a "$OUT/gpu.txt"
 
 if has build && [ ! -x "$BUILD/flashgdn_tests" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
@@ -51,7 +54,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck initcheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-      "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-Cuda*Small*}" \
+      "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-$DEFAULT_SANITIZE}" \
       >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?
     note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-$tool.log" || echo 'no summary'))"
