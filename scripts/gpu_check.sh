@@ -57,7 +57,7 @@ if has sanitize; then
       "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-$DEFAULT_SANITIZE}" \
       >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?
-    note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 'ERROR SUMMARY' "$OUT/sanitize-$tool.log" || echo 'no summary'))"
+    note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize-$tool.log" || echo 'no summary'))"
   done
 fi
 

@@ -1,0 +1,17 @@
+"""flashgdn.bench: flashgdn against its peers (FlashQLA, FlashInfer, FLA) on the GPU.
+
+    python -m flashgdn.bench --quick                 # a handful of cells, a few minutes with JIT warm-up
+    python -m flashgdn.bench --full --part 1/2       # the whole matrix, split over calls
+    python -m flashgdn.bench report --merge DIR...   # merge parts, redo the table and the plots
+
+Without a built flashgdn (its ``_C`` missing) the package import fails; run the same code by
+path instead: ``python python/flashgdn/bench ...`` (flashgdn's cells then say "not installed").
+See bench/README.md for what is measured and how.
+"""
+__all__ = ["main"]
+
+
+def main(argv=None):
+    from .cli import main as _main
+
+    return _main(argv)

@@ -1,0 +1,407 @@
+"""The benchmark driver: ``python -m flashgdn.bench [--quick | --full [--part i/n]] ...``."""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, List
+
+from . import configs as C
+from . import report
+
+CHECK_LAYOUT = C.Layout("varlen", (101, 539, 384), label="3seq(101+539+384)")
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m flashgdn.bench",
+        description="Time flashgdn against FlashQLA, FlashInfer and FLA (K = V = 128, bf16, realistic gates).")
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--quick", action="store_true", help="a handful of cells (default)")
+    sel.add_argument("--full", action="store_true", help="the whole matrix (see --part)")
+    p.add_argument("--part", default=None, help="i/n: part i of n of the selection, whole head configurations per part")
+    p.add_argument("--contenders", default="flashgdn,flashqla,flashinfer,fla",
+                   help="comma list of flashgdn, flashqla, flashinfer, fla")
+    p.add_argument("--configs", default=None, help="head configurations Hq/Hv, comma list, e.g. 16/64,2/8")
+    p.add_argument("--modes", default=None, help="comma list of fwd, bwd, fwdbwd")
+    p.add_argument("--layouts", default=None, help="comma list of layout names or substrings, e.g. 1x8192,B8x2048,mix")
+    p.add_argument("--out", default=None, help="output folder (default: bench/results/<gpu>-<date>/)")
+    p.add_argument("--no-graph", action="store_true", help="time eagerly, no CUDA graphs")
+    p.add_argument("--no-check", action="store_true", help="skip the accuracy check against the float64 oracle")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="stop starting cells after this many seconds (rest: 'skipped: time budget'); default 540")
+    p.add_argument("--target-ms", type=float, default=300.0, help="timed device time per measurement (default 300 ms)")
+    p.add_argument("--rotate-mb", type=float, default=None,
+                   help="working set of the rotated input sets (default 2 x L2)")
+    p.add_argument("--commit", default=None, help="flashgdn commit for the header (default: git, or $FLASHGDN_COMMIT)")
+    p.add_argument("--check-only", action="store_true",
+                   help="only the accuracy check (one small call per contender) on the first selected cell's heads")
+    p.add_argument("--list", action="store_true", help="print the selected cells and a time estimate; no GPU")
+    return p.parse_args(argv)
+
+
+def select_cells(a) -> List[C.Cell]:
+    cells = C.full_cells() if a.full else C.quick_cells()
+    cells = C.filter_cells(cells, a.configs, a.modes, a.layouts)
+    if a.part:
+        i, n = (int(x) for x in a.part.split("/"))
+        if not 1 <= i <= n:
+            raise SystemExit(f"--part: expected i/n with 1 <= i <= n, got {a.part}")
+        cells = C.part_of(cells, i, n)
+    heads_order = {h: j for j, h in enumerate(C.FWD_HEADS + [h for h in C.BWD_HEADS if h not in C.FWD_HEADS])}
+    mode_order = {m: j for j, m in enumerate(C.MODES)}
+    return sorted(cells, key=lambda c: (heads_order.get((c.Hq, c.Hv), 99), mode_order[c.mode]))
+
+
+# ---- header ---------------------------------------------------------------------------------
+
+def _git_commit(a) -> str:
+    if a.commit:
+        return a.commit
+    if os.environ.get("FLASHGDN_COMMIT"):
+        return os.environ["FLASHGDN_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                           capture_output=True, text=True, timeout=10)
+        if c.returncode == 0:
+            return c.stdout.strip() + ("+dirty" if d.stdout.strip() else "")
+    except Exception:
+        pass
+    return "unknown"
+
+
+def _driver() -> str:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0]
+    except Exception:
+        return "?"
+
+
+def gpu_slug(name: str) -> str:
+    s = name.lower().replace("nvidia", "").strip()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+
+
+def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = "not installed"
+    h = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "l2_mb": round(getattr(props, "L2_cache_size", 0) / 1e6, 1),
+        "driver": _driver(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": tv,
+        "python": platform.python_version(),
+        "flashgdn_commit": _git_commit(a),
+        "selection": ("full" if a.full else "quick") + (f" part {a.part}" if a.part else ""),
+        "argv": " ".join(sys.argv[1:]),
+        "copy_GBps": round(ceilings["copy_bytes_per_s"] / 1e9, 1),
+        "bf16_TFLOPs": round(ceilings["bf16_flop_per_s"] / 1e12, 1),
+        "contenders": {},
+    }
+    for name, (obj, why) in loaded.items():
+        if obj is None:
+            h["contenders"][name] = f"not installed: {why}"
+        else:
+            try:
+                h["contenders"][name] = obj.version()
+            except Exception as e:
+                h["contenders"][name] = f"? ({e})"
+    return h
+
+
+# ---- one contender on one cell --------------------------------------------------------------
+
+def classify(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}".lower()
+    if isinstance(e, (NotImplementedError, AssertionError, ValueError)) or re.search(
+            r"not supported|unsupported|refus|only support|requires? |must be|incorrect results", msg):
+        return "refused"
+    return "failed"
+
+
+def _poisoned(e: BaseException) -> bool:
+    m = str(e).lower()
+    return any(s in m for s in ("illegal memory access", "illegal instruction", "unspecified launch failure",
+                                "device-side assert", "misaligned address", "cuda error: an illegal"))
+
+
+def make_fn(torch, c, x: Dict, mode: str, stream):
+    """The callable that is timed for one converted input set."""
+    if mode == "fwd":
+        def fwd():
+            with torch.no_grad():
+                return c.call(x)
+        return fwd
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta", "h0")]
+    if mode == "fwdbwd":
+        def fwdbwd():
+            o, ht = c.call(x)
+            return torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]))
+        return fwdbwd
+    with torch.cuda.stream(stream):  # backward alone: the forward once, outside the timed call
+        o, ht = c.call(x)
+    torch.cuda.current_stream().wait_stream(stream)
+
+    def bwd():
+        return torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]), retain_graph=True)
+    return bwd
+
+
+def accuracy_check(torch, c, inp: Dict, ref: Dict, with_grads: bool) -> Dict:
+    """Relative L2 errors of o and the final state and, with_grads, of the gradients; a backward
+    that raises leaves the forward's errors and says why in 'grad_status'."""
+    from .oracle import rel_l2
+
+    res = {}
+    x = c.convert(inp)
+    t0 = time.perf_counter()
+    grads = with_grads and c.has_backward
+    with torch.set_grad_enabled(grads):
+        out = c.call(x)
+    torch.cuda.synchronize()
+    res["first_call_s"] = time.perf_counter() - t0
+    o, ht = c.canon(out, x)
+    res["o"] = rel_l2(o, ref["o"])
+    res["ht"] = rel_l2(ht, ref["ht"])
+    if grads:
+        leaves = [inp[n] for n in ("q", "k", "v", "g", "beta", "h0")]
+        try:
+            gr = torch.autograd.grad((out[0], out[1]), leaves, (inp["do"], inp["dht"]), allow_unused=True)
+            torch.cuda.synchronize()
+            for n, gx in zip(GRAD_NAMES, gr):
+                res[n] = rel_l2(gx, ref[n]) if ref.get(n) is not None else float("nan")
+            res["grad_status"] = "ok"
+        except Exception as e:
+            res["grad_status"] = f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"
+            if _poisoned(e):
+                raise
+    return res
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "report":
+        return report.main(argv[1:])
+    a = _parse(argv)
+    cells = select_cells(a)
+    if a.list:
+        for c in cells:
+            print(f"{c.mode:7s} {c.heads:6s} {c.layout.name}")
+        print(f"{len(cells)} cells, {len({(c.Hq, c.Hv) for c in cells})} head configurations, "
+              f"estimated {C.estimate_s(cells) / 60:.1f} min with all peers' JIT warm-up")
+        return 0
+
+    t_start = time.monotonic()
+    import torch
+
+    from .contenders import ALL, Unavailable
+    from .inputs import floor_counts, make_inputs, set_bytes
+    from .oracle import oracle
+    from .timing import first_call_s, measure_ceilings, time_calls
+
+    try:
+        from tqdm import tqdm
+    except Exception:  # pragma: no cover
+        tqdm = None
+    if not torch.cuda.is_available():
+        print("flashgdn.bench: no CUDA device", file=sys.stderr)
+        return 2
+
+    names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    for n in names:
+        if n not in ALL:
+            raise SystemExit(f"--contenders: unknown {n!r} (known: {', '.join(ALL)})")
+    loaded = {}
+    for n in names:
+        obj = ALL[n]()
+        try:
+            obj.load()
+            loaded[n] = (obj, "")
+        except Unavailable as e:
+            loaded[n] = (None, str(e))
+        except Exception as e:
+            loaded[n] = (None, f"{type(e).__name__}: {e}")
+
+    ceilings = measure_ceilings()
+    hdr = header(a, torch, loaded, ceilings)
+    out_dir = Path(a.out) if a.out else report.default_out_dir(hdr)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "log.txt", "a")
+
+    def say(msg: str):
+        log.write(msg + "\n")
+        log.flush()
+        if tqdm is not None:
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr)
+
+    say(f"# {hdr['date']} {hdr['gpu']} torch {hdr['torch']} cuda {hdr['cuda']}; {len(cells)} cells; "
+        f"copy {hdr['copy_GBps']} GB/s, bf16 {hdr['bf16_TFLOPs']} TFLOP/s")
+    for n, v in hdr["contenders"].items():
+        say(f"#   {n}: {v}")
+
+    rows: List[Dict] = []
+    acc: Dict[str, Dict] = {}
+    state = {"poisoned": None}
+    seen_heads_pre: Dict[str, set] = {}
+
+    def flush():
+        report.write_all(out_dir, hdr, rows, acc)
+
+    # ---- accuracy check on one small shape ---------------------------------------------
+    if not a.no_check and cells:
+        hq, hv = cells[0].Hq, cells[0].Hv
+        grads = any(c.mode != "fwd" for c in cells)
+        inp = make_inputs(hq, hv, CHECK_LAYOUT, seed=7, requires_grad=grads, with_grads_out=True)
+        t0 = time.perf_counter()
+        ref = oracle(inp, grads)
+        hdr["oracle"] = ref.pop("oracle")
+        hdr["check_shape"] = f"Hq/Hv {hq}/{hv}, varlen {CHECK_LAYOUT.name}, T = {CHECK_LAYOUT.total}"
+        say(f"# oracle: {hdr['oracle']} ({time.perf_counter() - t0:.1f} s); check shape {hdr['check_shape']}")
+        for n, (obj, why) in loaded.items():
+            if obj is None:
+                acc[n] = {"status": f"not installed: {why}"}
+                continue
+            try:
+                r = accuracy_check(torch, obj, inp, ref, grads)
+                r["status"] = "ok"
+                if grads and not obj.has_backward:
+                    r["status"] = "ok (forward only: no backward)"
+                elif grads and r.get("grad_status") != "ok":
+                    r["status"] = f"ok forward; backward {r['grad_status']}"
+                acc[n] = r
+                say(f"  check {n}: " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
+                                                   for k, v in r.items()))
+            except Exception as e:
+                acc[n] = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
+                say(f"  check {n}: {acc[n]['status']}")
+                log.write(traceback.format_exc())
+                if _poisoned(e):
+                    state["poisoned"] = f"CUDA context lost in {n}'s accuracy check"
+            if grads and obj is not None and obj.has_backward:
+                for t in ("q", "k", "v", "g", "beta", "h0"):
+                    inp[t].grad = None
+        del inp, ref
+        for n, (obj, _) in loaded.items():  # the check compiled these heads' kernels already
+            if obj is not None and acc.get(n, {}).get("status", "").startswith("ok"):
+                seen_heads_pre.setdefault(n, set()).add((hq, hv, False))
+                if grads and obj.has_backward and acc[n].get("grad_status") == "ok":
+                    seen_heads_pre[n].add((hq, hv, True))
+        gc.collect()
+        torch.cuda.empty_cache()
+        flush()
+
+    if a.check_only:
+        cells = []
+    # ---- timing ---------------------------------------------------------------------------
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
+    rotate_bytes = (a.rotate_mb * 2 ** 20) if a.rotate_mb else 2 * l2
+    seen_heads = {n: set(seen_heads_pre.get(n, ())) for n in names}
+    total = sum(1 for _ in cells) * len(names)
+    bar = tqdm(total=total, file=sys.stderr, mininterval=2.0, dynamic_ncols=True) if tqdm else None
+    stream = torch.cuda.Stream()
+
+    for cell in cells:
+        lay = cell.layout
+        flop, nbytes = floor_counts(cell.Hq, cell.Hv, lay, cell.mode)
+        floor_ms = max(flop / ceilings["bf16_flop_per_s"], nbytes / ceilings["copy_bytes_per_s"]) * 1e3
+        base = dict(config=cell.heads, Hq=cell.Hq, Hv=cell.Hv, layout=lay.name, kind=lay.kind,
+                    nseq=lay.nseq, T_total=lay.total, mode=cell.mode, floor_ms=floor_ms,
+                    floor_flop=flop, floor_bytes=nbytes)
+        sets = None
+        grad = cell.mode != "fwd"
+        for n in names:
+            obj, why = loaded[n]
+            row = dict(base, contender=n, status="", reason="", ms=float("nan"), method="", reps=0,
+                       spread=float("nan"), mem_mib=float("nan"), first_call_s=float("nan"),
+                       floor_frac=float("nan"))
+            a_res = acc.get(n, {})
+            row["err_o"] = a_res.get("o", float("nan"))
+            row["err_ht"] = a_res.get("ht", float("nan"))
+            gerr = [a_res[g] for g in GRAD_NAMES if isinstance(a_res.get(g), float)]
+            row["err_grad"] = max(gerr) if gerr and grad else float("nan")
+            errs = [row["err_o"], row["err_ht"]] + ([row["err_grad"]] if grad else [])
+            errs = [e for e in errs if e == e]
+            row["error"] = max(errs) if errs else float("nan")
+            elapsed = time.monotonic() - t_start
+            new_heads = (cell.Hq, cell.Hv, grad) not in seen_heads[n]
+            need = (150.0 if new_heads and n in ("flashqla", "fla") else 20.0)
+            if obj is None:
+                row.update(status="not installed", reason=why)
+            elif state["poisoned"]:
+                row.update(status="skipped", reason=state["poisoned"])
+            elif (r := obj.refuses(cell)) is not None:
+                row.update(status="refused", reason=r)
+            elif elapsed + need > a.budget_s:
+                row.update(status="skipped", reason=f"time budget ({a.budget_s:.0f} s) reached")
+            else:
+                try:
+                    if sets is None:
+                        probe = make_inputs(cell.Hq, cell.Hv, lay, seed=0, requires_grad=grad, with_grads_out=grad)
+                        nsets = int(max(2, min(32, -(-rotate_bytes // set_bytes(probe)))))
+                        sets = [probe] + [make_inputs(cell.Hq, cell.Hv, lay, seed=s, requires_grad=grad,
+                                                      with_grads_out=grad, cu=probe["cu"])
+                                          for s in range(1, nsets)]
+                    xs = [obj.convert(s) for s in sets]
+                    fns = [make_fn(torch, obj, x, cell.mode, stream) for x in xs]
+                    seen_heads[n].add((cell.Hq, cell.Hv, grad))
+                    row["first_call_s"] = first_call_s(fns[0])
+                    t = time_calls(fns, use_graph=not a.no_graph, target_ms=a.target_ms, stream=stream)
+                    row.update(status="ok", ms=t.ms, method=t.method, reps=t.reps, spread=t.spread,
+                               mem_mib=t.mem_mib, floor_frac=floor_ms / t.ms, nsets=len(fns))
+                    row["tflops"] = flop / (t.ms * 1e-3) / 1e12
+                    row["gbps"] = nbytes / (t.ms * 1e-3) / 1e9
+                except Exception as e:
+                    row.update(status=classify(e), reason=f"{type(e).__name__}: {str(e)[:300]}")
+                    log.write(f"--- {cell.key} {n}\n{traceback.format_exc()}\n")
+                    if _poisoned(e):
+                        state["poisoned"] = f"CUDA context lost after {n} failed on {cell.key}"
+                finally:
+                    xs = fns = None
+                    gc.collect()
+                    try:
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                    except Exception as e2:
+                        state["poisoned"] = state["poisoned"] or f"CUDA context lost: {e2}"
+            rows.append(row)
+            ms = f"{row['ms']:.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['reason'][:100]}"
+            say(f"{cell.mode:6s} {cell.heads:6s} {lay.name:28s} {n:10s} {ms}"
+                + (f"  (first {row['first_call_s']:.1f} s, {row['method'][:40]})" if row["status"] == "ok" else ""))
+            if bar:
+                bar.update(1)
+        sets = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        flush()
+    if bar:
+        bar.close()
+    hdr["wall_s"] = round(time.monotonic() - t_start, 1)
+    flush()
+    report.write_all(out_dir, hdr, rows, acc, plots=True)
+    print(report.summary_text(hdr, rows, acc))
+    print(f"\nresults: {out_dir}")
+    return 0

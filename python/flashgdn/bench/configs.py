@@ -1,0 +1,196 @@
+"""The benchmark matrix: head configurations x layouts x modes, the quick and full selections,
+and the split of the full matrix into parts (``--part i/n``)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+K = V = 128
+
+# (Hq, Hv): Qwen3.5/3.6-style GVA head counts at TP1..TP8, plus two equal-head ones.
+FWD_HEADS: List[Tuple[int, int]] = [(16, 64), (8, 32), (4, 16), (2, 8), (16, 48), (8, 24), (4, 12),
+                                    (2, 6), (16, 32), (8, 16), (16, 16), (4, 4)]
+BWD_HEADS: List[Tuple[int, int]] = [(16, 64), (16, 32), (8, 16), (2, 8), (2, 4)]
+
+MODES = ("fwd", "bwd", "fwdbwd")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the tokens are arranged. kind: 'seq' (one sequence, B = 1, no cu_seqlens), 'varlen'
+    (B = 1, sequences packed along T with cu_seqlens) or 'batch' (dense [B, T], no cu_seqlens)."""
+
+    kind: str
+    lens: Tuple[int, ...]
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        n, t = len(self.lens), self.lens[0]
+        if self.kind == "batch":
+            return f"B{n}x{t}"
+        return f"{n}x{t}"
+
+    @property
+    def total(self) -> int:
+        return sum(self.lens)
+
+    @property
+    def nseq(self) -> int:
+        return len(self.lens)
+
+    @property
+    def B(self) -> int:
+        return self.nseq if self.kind == "batch" else 1
+
+    @property
+    def T(self) -> int:
+        """Length of the time axis of the tensors ([B, T, ...])."""
+        return self.lens[0] if self.kind == "batch" else self.total
+
+    @property
+    def cu_seqlens(self) -> Optional[List[int]]:
+        if self.kind != "varlen":
+            return None
+        cu = [0]
+        for n in self.lens:
+            cu.append(cu[-1] + n)
+        return cu
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lens)
+
+
+def seq(T: int) -> Layout:
+    return Layout("seq", (T,))
+
+
+def varlen(n: int, T: int) -> Layout:
+    return Layout("varlen", (T,) * n)
+
+
+def batch(B: int, T: int) -> Layout:
+    return Layout("batch", (T,) * B)
+
+
+def split(total: int, n: int) -> Layout:
+    """total tokens as n equal sequences: one sequence (no cu_seqlens) for n == 1, else packed."""
+    return seq(total) if n == 1 else varlen(n, total // n)
+
+
+def mixed(long: int = 16384, short_total: int = 16384, seed: int = 0) -> Layout:
+    """One long sequence and many short ones of lengths 100..900 (not multiples of 64)."""
+    rng = random.Random(seed)
+    lens, left = [], short_total
+    while left > 900 + 100:
+        n = rng.randint(100, 900)
+        lens.append(n)
+        left -= n
+    lens.append(left)
+    total = long + short_total
+    return Layout("varlen", (long,) + tuple(lens), label=f"mix{total}(1x{long}+{len(lens)}short)")
+
+
+FWD_LAYOUTS: List[Layout] = (
+    [seq(t) for t in (2048, 4096, 8192, 16384, 32768)]
+    + [varlen(2, 16384), varlen(4, 8192), varlen(8, 4096), mixed()]
+    + [batch(2, 8192), batch(8, 2048), batch(32, 512)]
+)
+BWD_LAYOUTS: List[Layout] = [split(t, n) for t in (8192, 32768) for n in (1, 2, 4, 8)]
+
+
+@dataclass(frozen=True)
+class Cell:
+    Hq: int
+    Hv: int
+    layout: Layout
+    mode: str  # 'fwd' (inference forward), 'bwd' (backward alone), 'fwdbwd' (forward + backward)
+
+    @property
+    def heads(self) -> str:
+        return f"{self.Hq}/{self.Hv}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}|{self.heads}|{self.layout.name}"
+
+
+def full_cells() -> List[Cell]:
+    cells = [Cell(hq, hv, lay, "fwd") for hq, hv in FWD_HEADS for lay in FWD_LAYOUTS]
+    for hq, hv in BWD_HEADS:
+        for lay in BWD_LAYOUTS:
+            cells.append(Cell(hq, hv, lay, "bwd"))
+            cells.append(Cell(hq, hv, lay, "fwdbwd"))
+    return cells
+
+
+def quick_cells() -> List[Cell]:
+    cells = [Cell(hq, hv, lay, "fwd") for hq, hv in ((16, 64), (2, 8))
+             for lay in (seq(8192), seq(32768), varlen(4, 8192))]
+    cells.append(Cell(16, 64, seq(32768), "fwdbwd"))
+    return cells
+
+
+# Rough cost model (seconds) for splitting the full matrix into parts: peers compile per head
+# configuration (FlashQLA/TileLang 35-125 s, FLA/Triton 40-110 s, FlashInfer 2-5 s; backward
+# kernels again), so all cells of one head configuration go to the same part.
+JIT_S_PER_HEADS = {"fwd": 170.0, "bwd": 150.0}
+S_PER_CELL = {"fwd": 5.0, "bwd": 6.0, "fwdbwd": 8.0}
+
+
+def estimate_s(cells: Sequence[Cell]) -> float:
+    fwd_heads = {(c.Hq, c.Hv) for c in cells if c.mode == "fwd"}
+    bwd_heads = {(c.Hq, c.Hv) for c in cells if c.mode != "fwd"}
+    return (len(fwd_heads) * JIT_S_PER_HEADS["fwd"] + len(bwd_heads) * JIT_S_PER_HEADS["bwd"]
+            + sum(S_PER_CELL[c.mode] for c in cells))
+
+
+def part_of(cells: List[Cell], i: int, n: int) -> List[Cell]:
+    """Cells of part i (1-based) of n: whole head configurations, greedily balanced by estimate."""
+    groups = {}
+    for c in cells:
+        groups.setdefault((c.Hq, c.Hv), []).append(c)
+    order = sorted(groups, key=lambda h: -estimate_s(groups[h]))
+    load = [0.0] * n
+    owner = {}
+    for h in order:
+        j = min(range(n), key=lambda p: load[p])
+        owner[h] = j
+        load[j] += estimate_s(groups[h])
+    return [c for c in cells if owner[(c.Hq, c.Hv)] == i - 1]
+
+
+def parse_heads(spec: str) -> List[Tuple[int, int]]:
+    """'16/64,2/8' -> [(16, 64), (2, 8)]."""
+    out = []
+    for tok in spec.split(","):
+        tok = tok.strip()
+        if tok:
+            a, b = tok.replace("x", "/").split("/")
+            out.append((int(a), int(b)))
+    return out
+
+
+def filter_cells(cells: List[Cell], configs: Optional[str] = None, modes: Optional[str] = None,
+                 layouts: Optional[str] = None) -> List[Cell]:
+    """--configs '16/64,2/8', --modes 'fwd,fwdbwd', --layouts '1x8192,4x8192' (substring match)."""
+    if configs:
+        want = set(parse_heads(configs))
+        cells = [c for c in cells if (c.Hq, c.Hv) in want]
+    if modes:
+        m = {x.strip() for x in modes.split(",") if x.strip()}
+        cells = [c for c in cells if c.mode in m]
+    if layouts:
+        subs = [x.strip() for x in layouts.split(",") if x.strip()]
+        cells = [c for c in cells if any(s == c.layout.name or s in c.layout.name for s in subs)]
+    return cells
+
+
+@dataclass
+class Selection:
+    cells: List[Cell] = field(default_factory=list)
+    label: str = ""

@@ -1,0 +1,330 @@
+"""Results: CSV, JSON, a markdown table, PNG plots; merging the parts of a split run.
+
+    python -m flashgdn.bench report --merge DIR [DIR ...] --out DIR
+    (or python python/flashgdn/bench report ... where flashgdn is not built)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Optional
+
+CONTENDER_ORDER = ["flashgdn", "flashqla", "flashinfer", "fla"]
+PEERS = ["flashqla", "flashinfer", "fla"]
+MODE_TITLE = {"fwd": "Forward (inference: no saved state)", "bwd": "Backward alone",
+              "fwdbwd": "Forward + backward"}
+CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode", "contender", "status",
+              "reason", "ms", "speedup_of_flashgdn", "method", "reps", "spread", "nsets", "error", "err_o",
+              "err_ht", "err_grad", "mem_mib", "first_call_s", "floor_ms", "floor_frac", "tflops", "gbps",
+              "floor_flop", "floor_bytes"]
+
+
+def _repo_root() -> Optional[Path]:
+    p = Path(__file__).resolve().parents[3]
+    return p if (p / "bench").is_dir() and (p / "python").is_dir() else None
+
+
+def default_out_dir(hdr: Dict) -> Path:
+    from .cli import gpu_slug
+
+    name = f"{gpu_slug(hdr['gpu'])}-{hdr['date'][:10]}"
+    root = _repo_root()
+    return (root / "bench" / "results" / name) if root else (Path.cwd() / "bench-results" / name)
+
+
+def _ok(r) -> bool:
+    return r.get("status") == "ok" and isinstance(r.get("ms"), (int, float)) and r["ms"] == r["ms"]
+
+
+def _cells(rows: List[Dict]):
+    """{(mode, config, layout): {contender: row}} in first-seen order."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["mode"], r["config"], r["layout"]), {})[r["contender"]] = r
+    return out
+
+
+def add_speedups(rows: List[Dict]) -> None:
+    for _, by in _cells(rows).items():
+        me = by.get("flashgdn")
+        for n, r in by.items():
+            r["speedup_of_flashgdn"] = (r["ms"] / me["ms"]) if (me and _ok(me) and _ok(r) and n != "flashgdn") else float("nan")
+
+
+def _fmt(x, nd=3):
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return ""
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _e(x):
+    return f"{x:.1e}" if isinstance(x, float) and x == x else ""
+
+
+def _short(r) -> str:
+    s = r.get("status", "")
+    return {"not installed": "n/i", "refused": "refused", "failed": "FAILED", "skipped": "skipped"}.get(s, s)
+
+
+def write_csv(path: Path, rows: List[Dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (_fmt(r.get(k), 6) if isinstance(r.get(k), float) else r.get(k, "")) for k in CSV_FIELDS})
+
+
+def _json_safe(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
+    names = [n for n in CONTENDER_ORDER if any(r["contender"] == n for r in rows)] or \
+        [n for n in CONTENDER_ORDER if n in acc]
+    peers = [n for n in names if n != "flashgdn"]
+    L = [f"# flashgdn benchmark: {hdr.get('gpu', '?')}, {hdr.get('date', '?')}", ""]
+    L += ["| | |", "|---|---|"]
+    for k in ("gpu", "sm_count", "l2_mb", "driver", "torch", "cuda", "triton", "python", "flashgdn_commit",
+              "selection", "argv", "copy_GBps", "bf16_TFLOPs", "oracle", "check_shape", "wall_s", "parts"):
+        if k in hdr:
+            L.append(f"| {k} | {hdr[k]} |")
+    for n, v in hdr.get("contenders", {}).items():
+        L.append(f"| {n} | {v} |")
+    L += ["", "K = V = 128; q, k, v bf16; g = -A softplus(x + 1) fp32 with A per head in [0, 16] "
+          "and one head A = 0; beta fp32 in (0, 1); fp32 initial state; final state returned; "
+          "use_qk_l2norm_in_kernel = True; scale = K^-0.5. ms: median per call; floor: gdn-math "
+          "section 4 with the copy bandwidth and bf16 rate above (bench/README.md).", ""]
+    if acc:
+        L += ["## Accuracy (relative L2 error against the float64 oracle)", "",
+              "| contender | status | o | final state | dq | dk | dv | dg | dbeta | dh0 | first call s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for n in [x for x in CONTENDER_ORDER if x in acc]:
+            r = acc[n]
+            L.append(f"| {n} | {r.get('status', '')[:200]} | " + " | ".join(
+                _e(r.get(k)) for k in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
+                + f" | {_fmt(r.get('first_call_s'), 1)} |")
+        L.append("")
+    cells = _cells(rows)
+    notes = {}
+    for mode in ("fwd", "bwd", "fwdbwd"):
+        keys = [k for k in cells if k[0] == mode]
+        if not keys:
+            continue
+        L += [f"## {MODE_TITLE[mode]}: ms per call", "",
+              "| Hq/Hv | layout | " + " | ".join(names) + " | best peer | flashgdn speedup vs best"
+              + "".join(f" | vs {p}" for p in peers) + " | floor ms | flashgdn % of floor |",
+              "|---|---|" + "---|" * (len(names) + 4 + len(peers))]
+        for key in keys:
+            by = cells[key]
+            vals = []
+            for n in names:
+                r = by.get(n)
+                if r is None:
+                    vals.append("")
+                elif _ok(r):
+                    vals.append(f"{r['ms']:.3f}")
+                else:
+                    tag = _short(r)
+                    note = f"{n}: {r.get('reason', '')[:200]}"
+                    idx = notes.setdefault(note, len(notes) + 1)
+                    vals.append(f"{tag} [{idx}]")
+            ok_peers = [(by[p]["ms"], p) for p in peers if p in by and _ok(by[p])]
+            best = min(ok_peers) if ok_peers else None
+            me = by.get("flashgdn")
+            sp_best = (best[0] / me["ms"]) if (best and me and _ok(me)) else float("nan")
+            sps = [(by[p]["ms"] / me["ms"]) if (p in by and _ok(by[p]) and me and _ok(me)) else float("nan")
+                   for p in peers]
+            any_r = next(iter(by.values()))
+            frac = (any_r["floor_ms"] / me["ms"] * 100) if (me and _ok(me)) else float("nan")
+            L.append(f"| {key[1]} | {key[2]} | " + " | ".join(vals)
+                     + f" | {best[1] + ' ' + format(best[0], '.3f') if best else ''} | {_fmt(sp_best, 2)}"
+                     + "".join(f" | {_fmt(s, 2)}" for s in sps)
+                     + f" | {_fmt(any_r.get('floor_ms'), 3)} | {_fmt(frac, 1)} |")
+        L.append("")
+    if notes:
+        L += ["Notes:", ""] + [f"[{i}] {n}" for n, i in notes.items()] + [""]
+    ok_rows = [r for r in rows if _ok(r)]
+    if ok_rows:
+        L += ["## Peak extra device memory per call (MiB) and first-call time (s)", "",
+              "| mode | Hq/Hv | layout | " + " | ".join(f"{n} MiB" for n in names) + " | "
+              + " | ".join(f"{n} first s" for n in names) + " |",
+              "|---|---|---|" + "---|" * (2 * len(names))]
+        for key, by in cells.items():
+            if not any(_ok(r) for r in by.values()):
+                continue
+            L.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                     + " | ".join(_fmt(by[n].get("mem_mib"), 0) if n in by and _ok(by[n]) else "" for n in names)
+                     + " | " + " | ".join(_fmt(by[n].get("first_call_s"), 1) if n in by and _ok(by[n]) else ""
+                                          for n in names) + " |")
+        L.append("")
+        methods = {}
+        for r in ok_rows:
+            methods.setdefault(r["contender"], {}).setdefault(r["method"][:140], []).append(
+                f"{r['mode']} {r['config']} {r['layout']}")
+        L += ["## Timing method", ""]
+        for n, ms in methods.items():
+            for m, where in ms.items():
+                L.append(f"- {n}: {m} ({len(where)} cells{', e.g. ' + where[0] if len(where) else ''})")
+        L.append("")
+    return "\n".join(L)
+
+
+def plots(out: Path, rows: List[Dict]) -> List[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return [f"no plots: {e}"]
+    made = []
+    # time vs T per head configuration: forward on one sequence
+    fwd = [r for r in rows if r["mode"] == "fwd" and r["kind"] == "seq" and _ok(r)]
+    configs = list(dict.fromkeys(r["config"] for r in fwd))
+    if configs:
+        ncol = min(4, len(configs))
+        nrow = -(-len(configs) // ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+        for ax, cfg in zip(axes.flat, configs):
+            for n in CONTENDER_ORDER:
+                pts = sorted((r["T_total"], r["ms"]) for r in fwd if r["config"] == cfg and r["contender"] == n)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+            fl = sorted({(r["T_total"], r["floor_ms"]) for r in fwd if r["config"] == cfg})
+            if fl:
+                ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", lw=1, label="floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"forward Hq/Hv {cfg}")
+            ax.set_xlabel("T (one sequence)")
+            ax.set_ylabel("ms")
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in list(axes.flat)[len(configs):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "time_vs_T.png", dpi=110)
+        plt.close(fig)
+        made.append("time_vs_T.png")
+    # speedup bars: flashgdn over each peer per cell (or, without flashgdn times, each
+    # contender's time over the fastest one's)
+    cells = _cells(rows)
+    labels, series = [], {}
+    have_me = any(r["contender"] == "flashgdn" and _ok(r) for r in rows)
+    for key, by in cells.items():
+        me = by.get("flashgdn")
+        oks = {n: r["ms"] for n, r in by.items() if _ok(r)}
+        if not oks or (have_me and not (me and _ok(me))):
+            continue
+        labels.append(f"{key[0]} {key[1]} {key[2]}")
+        ref = me["ms"] if have_me else min(oks.values())
+        for n in (PEERS if have_me else CONTENDER_ORDER):
+            series.setdefault(n, []).append(oks[n] / ref if n in oks else float("nan"))
+    series = {n: v for n, v in series.items() if any(x == x for x in v)}
+    if labels and series:
+        import numpy as np
+
+        fig, ax = plt.subplots(figsize=(9, max(3, 0.28 * len(labels) * max(1, len(series)) / 2 + 1.5)))
+        y = np.arange(len(labels))
+        h = 0.8 / max(1, len(series))
+        for j, (n, vals) in enumerate(series.items()):
+            ax.barh(y + j * h, vals, height=h, label=n)
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_yticks(y + h * (len(series) - 1) / 2)
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("flashgdn speedup over peer (peer ms / flashgdn ms)" if have_me
+                      else "ms / fastest contender's ms (flashgdn has no times)")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "speedup.png", dpi=110)
+        plt.close(fig)
+        made.append("speedup.png")
+    return made
+
+
+def write_all(out: Path, hdr: Dict, rows: List[Dict], acc: Dict, plots: bool = False) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    add_speedups(rows)
+    write_csv(out / "results.csv", rows)
+    with open(out / "results.json", "w") as f:
+        json.dump(_json_safe({"header": hdr, "accuracy": acc, "rows": rows}), f, indent=1)
+    (out / "results.md").write_text(markdown(hdr, rows, acc))
+    if plots:
+        hdr["plots"] = _plots(out, rows)
+        (out / "results.md").write_text(markdown(hdr, rows, acc))
+
+
+_plots = plots
+
+
+def summary_text(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
+    """A short table for the end of the output (the device reply carries its tail)."""
+    cells = _cells(rows)
+    names = [n for n in CONTENDER_ORDER if any(r["contender"] == n for r in rows)]
+    L = [f"{hdr.get('gpu')}  torch {hdr.get('torch')}  copy {hdr.get('copy_GBps')} GB/s  "
+         f"bf16 {hdr.get('bf16_TFLOPs')} TFLOP/s  wall {hdr.get('wall_s')} s"]
+    for n, r in acc.items():
+        L.append(f"check {n:10s} {r.get('status', '')[:60]:30s} o {_e(r.get('o'))} ht {_e(r.get('ht'))} "
+                 + " ".join(f"{k} {_e(r.get(k))}" for k in ("dq", "dk", "dv", "dg", "dbeta", "dh0") if k in r))
+    L.append(f"{'mode':6s} {'Hq/Hv':6s} {'layout':26s} " + " ".join(f"{n:>12s}" for n in names)
+             + f" {'x best':>7s} {'floor':>7s}")
+    for key, by in cells.items():
+        vals = []
+        for n in names:
+            r = by.get(n)
+            vals.append(f"{r['ms']:12.3f}" if r and _ok(r) else f"{(_short(r) if r else ''):>12s}")
+        me = by.get("flashgdn")
+        best = min([by[p]["ms"] for p in PEERS if p in by and _ok(by[p])] or [float("nan")])
+        sp = best / me["ms"] if me and _ok(me) and best == best else float("nan")
+        fl = next(iter(by.values())).get("floor_ms", float("nan"))
+        L.append(f"{key[0]:6s} {key[1]:6s} {key[2][:26]:26s} " + " ".join(vals) + f" {_fmt(sp, 2):>7s} {_fmt(fl, 3):>7s}")
+    return "\n".join(L)
+
+
+def merge(dirs: List[str]):
+    hdr, rows, acc, parts = None, {}, {}, []
+    for d in dirs:
+        j = json.loads((Path(d) / "results.json").read_text())
+        h = j["header"]
+        parts.append(f"{d}: {h.get('selection')} ({h.get('date')}, wall {h.get('wall_s')} s)")
+        if hdr is None:
+            hdr = dict(h)
+        for n, v in (h.get("contenders") or {}).items():
+            if "not installed" in str(hdr["contenders"].get(n, "not installed")):
+                hdr["contenders"][n] = v
+        for n, v in (j.get("accuracy") or {}).items():
+            if n not in acc or (acc[n].get("status") != "ok" and v.get("status") == "ok"):
+                acc[n] = v
+        for r in j["rows"]:
+            r = {k: (float("nan") if v is None and k not in ("reason", "method") else v) for k, v in r.items()}
+            key = (r["mode"], r["config"], r["layout"], r["contender"])
+            if key not in rows or (not _ok(rows[key]) and _ok(r)):
+                rows[key] = r
+    hdr["parts"] = "; ".join(parts)
+    hdr["selection"] = "merged"
+    return hdr, list(rows.values()), acc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashgdn.bench report")
+    p.add_argument("--merge", nargs="+", required=True, help="result folders (each with results.json)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    hdr, rows, acc = merge(a.merge)
+    write_all(Path(a.out), hdr, rows, acc, plots=True)
+    print(summary_text(hdr, rows, acc))
+    print(f"\nresults: {a.out}")
+    return 0
