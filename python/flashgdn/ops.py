@@ -1,0 +1,376 @@
+"""The differentiable, torch.compile-able operator: ``chunk_gated_delta_rule``.
+
+Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
+
+* ``flashgdn::chunk_gated_delta_rule_fwd``  (functional) -> (o, final_state, checkpoints)
+* ``flashgdn::chunk_gated_delta_rule_bwd``  (functional) -> (dq, dk, dv, dg, dbeta, dA_log,
+  ddt_bias, dh0)
+* ``flashgdn::chunk_gated_delta_rule_fwd_pool_`` (writes final states back into the rows of a
+  state pool, ``initial_state``, selected by ``state_indices``; inference only) -> (o, checkpoints)
+
+Each has a ``register_fake`` implementation (shapes only, no data), so torch.compile traces a
+model that calls them with ``fullgraph=True``; the forward op has ``register_autograd``, whose
+backward calls the backward op (which recomputes from the saved inputs, taking ``do`` and the
+gradient of the final state). Absent outputs are empty tensors at the op level; the Python
+wrapper turns them into None. The operators never synchronise the host with a CUDA device when
+the host copy of ``cu_seqlens`` is given (``cu_seqlens_cpu`` / ``cu_seqlens_host``).
+"""
+
+import warnings
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _core
+
+__all__ = ["chunk_gated_delta_rule"]
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _state_shape(v: Tensor, k: Tensor, N, state_v_first: bool):
+    Hv, V, K = v.shape[2], v.shape[3], k.shape[3]
+    return (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+
+
+def _num_seqs(v: Tensor, cu_seqlens: Optional[Tensor]):
+    return cu_seqlens.shape[0] - 1 if cu_seqlens is not None else v.shape[0]
+
+
+def _ckpt_shape(v: Tensor, k: Tensor, checkpoint_every: int, state_v_first: bool):
+    B, T = v.shape[0], v.shape[1]
+    return _state_shape(v, k, B * (T // checkpoint_every), state_v_first)
+
+
+# ---- forward --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
+    initial_state: Optional[Tensor], state_indices: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
+    output_final_state: bool, checkpoint_every: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
+    )
+    return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
+              state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
+              output_final_state, checkpoint_every):
+    o = q.new_empty(tuple(v.shape))
+    if output_final_state and state_indices is None:
+        ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
+    else:
+        ht = _empty(q)
+    ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
+            if checkpoint_every > 0 else _empty(q))
+    return o, ht, ckpt
+
+
+# ---- backward -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=())
+def _bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
+    initial_state: Optional[Tensor], state_indices: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
+    do: Tensor, dht: Optional[Tensor], need_dh0: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    gr = _core.chunk_gated_delta_rule_bwd(
+        q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
+        need_dh0=need_dh0,
+    )
+    e = _empty(q)
+    return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
+            gr.dA_log if gr.dA_log is not None else e,
+            gr.ddt_bias if gr.ddt_bias is not None else e.clone(),
+            gr.dh0 if gr.dh0 is not None else e.clone())
+
+
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
+              state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
+              do, dht, need_dh0):
+    c = torch.contiguous_format
+    dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
+          if use_gate_in_kernel and A_log is not None else _empty(q))
+    ddt = (dt_bias.new_empty(tuple(dt_bias.shape), dtype=torch.float32)
+           if use_gate_in_kernel and dt_bias is not None else _empty(q))
+    dh0 = (q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
+           if need_dh0 and initial_state is not None else _empty(q))
+    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
+            torch.empty_like(v, memory_format=c), torch.empty_like(g, memory_format=c),
+            torch.empty_like(beta, memory_format=c), dA, ddt, dh0)
+
+
+# ---- autograd -------------------------------------------------------------------------------
+
+_N_FWD_ARGS = 17
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
+     scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
+                          initial_state, state_indices)
+    ctx.flags = (scale, l2norm, gate, v_first)
+    ctx.mark_non_differentiable(output[2])  # checkpoints are not differentiable
+
+
+def _backward(ctx, do, dht, _dckpt):
+    (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
+     state_indices) = ctx.saved_tensors
+    scale, l2norm, gate, v_first = ctx.flags
+    if state_indices is not None:
+        raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
+    if do is None:
+        do = torch.zeros_like(v, dtype=q.dtype)
+    do = do.contiguous()
+    if dht is not None:
+        dht = None if dht.numel() == 0 else dht.contiguous()
+    need = ctx.needs_input_grad
+    need_dh0 = initial_state is not None and bool(need[9])
+    dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
+        scale, l2norm, gate, v_first, do, dht, need_dh0)
+    return (dq, dk, dv, dg, dbeta,
+            dA if gate and A_log is not None else None,
+            ddt if gate and dt_bias is not None else None,
+            None, None,
+            dh0 if need_dh0 else None,
+            None, None, None, None, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- pool write-back (inference) ------------------------------------------------------------
+
+
+@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_fwd_pool_", mutates_args=("initial_state",))
+def _fwd_pool_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
+    initial_state: Tensor, state_indices: Tensor,
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
+    checkpoint_every: int,
+) -> Tuple[Tensor, Tensor]:
+    o, _, ckpt = _core.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
+        checkpoint_every=checkpoint_every,
+    )
+    return o, (ckpt if ckpt is not None else _empty(q))
+
+
+@_fwd_pool_op.register_fake
+def _fwd_pool_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
+                   state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
+                   checkpoint_every):
+    o = q.new_empty(tuple(v.shape))
+    ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
+            if checkpoint_every > 0 else _empty(q))
+    return o, ckpt
+
+
+# ---- the public function --------------------------------------------------------------------
+
+
+def _as_host_seqlens(name: str, x) -> Optional[Tensor]:
+    if x is None:
+        return None
+    if isinstance(x, Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: the host copy of cu_seqlens must be a CPU tensor, got device {x.device}")
+        return x if x.dtype == torch.int64 else x.to(torch.int64)
+    return torch.tensor(list(x), dtype=torch.int64)
+
+
+def _unit_last(x: Optional[Tensor]) -> Optional[Tensor]:
+    """The library takes any strides but a unit stride in the last dimension."""
+    if x is not None and isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    *,
+    cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None,
+    cu_seqlens_host: Optional[Union[Tensor, Sequence[int]]] = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    state_indices: Optional[Tensor] = None,
+    checkpoint_every: int = 0,
+    chunk_indices: Optional[Tensor] = None,
+    cp_context=None,
+    **kwargs,
+):
+    r"""Gated delta rule, chunked: FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
+
+    Per sequence and value head, with state ``S`` (K x V, float32):
+    ``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
+
+    Args:
+        q, k: ``[B, T, Hq, K]``; v: ``[B, T, Hv, V]`` (``Hv`` a multiple of ``Hq``: value head
+            ``h`` reads q/k head ``h // (Hv // Hq)``). bfloat16, float16 or float32, one dtype.
+        g: ``[B, T, Hv]`` float32 or bfloat16, log-space gate (``<= 0``); with
+            ``use_gate_in_kernel`` the raw activation ``a`` (``g = -exp(A_log) * softplus(a + dt_bias)``).
+        beta: ``[B, T, Hv]`` float32 or bfloat16.
+        scale: default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` float32 (``[N, Hv, V, K]`` with ``state_v_first``);
+            with ``state_indices`` a pool ``[P, Hv, K, V]``.
+        output_final_state: return the final state ``[N, Hv, K, V]`` float32.
+        use_qk_l2norm_in_kernel: L2-normalise q and k per token inside the kernel.
+        cu_seqlens: ``[N + 1]`` int32/int64 (``B == 1``): N sequences packed along T.
+
+    Keyword-only (FLA names where FLA has the option):
+        cu_seqlens_cpu / cu_seqlens_host: host copy of ``cu_seqlens`` (CPU tensor or list): with it
+            a CUDA call never reads ``cu_seqlens`` back (no host synchronisation, CUDA-graph safe).
+        use_gate_in_kernel, A_log (``[Hv]``), dt_bias (``[Hv]``, optional): compute the gate in the
+            kernel from the raw activation passed as ``g``; ``g``'s gradient is then ``da``.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2 with
+            ``allow_neg_eigval``), applied as a torch op before the kernel.
+        state_v_first: states (initial, final, checkpoints, their gradients) are ``[.., V, K]``.
+        state_indices: ``[N]`` int32/int64 rows of the pool ``initial_state`` per sequence
+            (negative: start from zero, write nothing back). With ``output_final_state`` the final
+            states are written back in place into those pool rows and ``final_state`` is returned
+            as None. Inference only (no autograd).
+        checkpoint_every: 0, or a multiple of 64: also return the state after every
+            ``checkpoint_every`` tokens of each sequence, as a third return value
+            ``checkpoints`` ``[B * (T // checkpoint_every), Hv, K, V]`` float32: sequence ``n``'s
+            ``j``-th checkpoint (after ``(j + 1) * checkpoint_every`` of its tokens) is row
+            ``offset_n + j`` with ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
+            (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
+            Checkpoints are not differentiable.
+        chunk_indices: accepted for FLA compatibility and ignored. ``chunk_size`` (kwarg): 16, 32
+            or 64 accepted and ignored (flashgdn always uses 64). ``head_first=True``: ValueError.
+            ``transpose_state_layout``: deprecated alias of ``state_v_first``. ``cp_context``:
+            NotImplementedError.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, Hv, V]`` in q's dtype, ``final_state`` or None;
+        ``(o, final_state, checkpoints)`` when ``checkpoint_every > 0``.
+
+    CPU tensors run on the CPU backend, CUDA tensors on the CUDA backend of their device and its
+    current stream. Rejected arguments raise ValueError naming the argument.
+    """
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=2)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    if "head_first" in kwargs:
+        if kwargs.pop("head_first"):
+            raise ValueError("head_first: head-first inputs are not supported; pass [B, T, H, ...] tensors")
+    if "chunk_size" in kwargs:
+        cs = kwargs.pop("chunk_size")
+        if cs not in (16, 32, 64):
+            raise ValueError(f"chunk_size: must be 16, 32 or 64 (flashgdn always uses 64), got {cs}")
+    if kwargs:
+        raise TypeError(f"chunk_gated_delta_rule() got unexpected keyword argument(s) {sorted(kwargs)}")
+    del chunk_indices
+    if cp_context is not None:
+        raise NotImplementedError("cp_context: context parallelism is not supported by flashgdn")
+
+    for name, t, nd, layout in (("q", q, 4, "[B, T, Hq, K]"), ("k", k, 4, "[B, T, Hq, K]"),
+                                ("v", v, 4, "[B, T, Hv, V]"), ("g", g, 3, "[B, T, Hv]"),
+                                ("beta", beta, 3, "[B, T, Hv]")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != nd:
+            raise ValueError(f"{name}: expected {layout}, got shape {tuple(t.shape)}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
+            raise ValueError("cu_seqlens: expected a 1-D [N + 1] int32/int64 tensor")
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens: the batch size is expected to be 1 rather than {q.shape[0]} "
+                             "when using cu_seqlens; flatten variable-length inputs first")
+    if cu_seqlens_cpu is not None and cu_seqlens_host is not None:
+        raise ValueError("cu_seqlens_host: pass either cu_seqlens_cpu or cu_seqlens_host, not both")
+    host = _as_host_seqlens("cu_seqlens_cpu" if cu_seqlens_cpu is not None else "cu_seqlens_host",
+                            cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens_host)
+    if host is not None and cu_seqlens is None:
+        raise ValueError("cu_seqlens_host: given without cu_seqlens")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: required when use_gate_in_kernel=True")
+        A_log = A_log.float() if A_log.dtype != torch.float32 else A_log
+        if dt_bias is not None and dt_bias.dtype != torch.float32:
+            dt_bias = dt_bias.float()
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log, dt_bias: given without use_gate_in_kernel=True (g must then be the log-space gate)")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: requires use_beta_sigmoid_in_kernel=True")
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta)
+        if allow_neg_eigval:
+            beta = beta * 2
+    checkpoint_every = int(checkpoint_every)
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    scale = float(scale)
+    q, k, v, g, beta = (_unit_last(x) for x in (q, k, v, g, beta))
+    initial_state = _unit_last(initial_state)
+
+    if state_indices is not None:
+        if torch.is_grad_enabled() and any(
+                isinstance(t, Tensor) and t.requires_grad
+                for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
+            raise NotImplementedError(
+                "state_indices: no autograd through a state pool (inference only); "
+                "run under torch.no_grad() or pass initial_state per sequence")
+        if initial_state is None:
+            raise ValueError("state_indices: given without initial_state (the state pool)")
+        if output_final_state:
+            o, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd_pool_(
+                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
+                scale, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(state_v_first),
+                checkpoint_every)
+            return (o, None, ckpt) if checkpoint_every > 0 else (o, None)
+
+    o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
+        scale, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(state_v_first),
+        bool(output_final_state) and state_indices is None, checkpoint_every)
+    final_state = ht if output_final_state and state_indices is None else None
+    if checkpoint_every > 0:
+        return o, final_state, ckpt
+    return o, final_state

@@ -1,0 +1,358 @@
+"""GPU tests: the CUDA backend against the float64 oracle, determinism, batch invariance,
+streams, CUDA graphs, torch.compile. Fresh random inputs each run (the seed is printed with every
+error line). Outputs and gradient buffers are poisoned with NaN before each call.
+
+Bounds (relative L2 error over the whole tensor): o, final state <= 6e-3; dq, dk, dv, dbeta,
+dh0 <= 8e-3; dg <= 1.2e-2; o, dq, dk, dv, final state, dh0 also on every (sequence, head) slice
+of >= 64 tokens at twice the bound. Every element finite. FLASHGDN_ERROR_LOG=path.json records
+every measured error.
+"""
+import pytest
+import torch
+
+import flashgdn
+from flashgdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flashgdn.reference import reference_forward
+from gdn_testutil import (bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like,
+                          oracle_backward, oracle_forward)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not flashgdn.has_cuda(), reason="flashgdn was built without the CUDA backend"),
+]
+
+DEV = "cuda"
+# A varlen pack of mixed lengths: long, empty, one token, exactly one chunk, partial chunks.
+PACK = [700, 0, 1, 64, 300, 65]
+HEADS = [(16, 64), (16, 48), (16, 32), (8, 32), (8, 24), (4, 16), (2, 8), (16, 16), (32, 32)]
+
+
+def _run(c, ctx="", **kw):
+    o, ht, ck, do, dht, gr = lowlevel_fwd_bwd(c, **kw)
+    torch.cuda.synchronize()
+    check_all(c, o, ht, do, dht, gr, ctx=ctx)
+
+
+# ---- precision against the oracle --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"Hq{h[0]}-Hv{h[1]}")
+def test_head_configs(heads):
+    c = make_case(lengths=PACK, Hq=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx=f"heads={heads}")
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 4096])
+def test_lengths_dense(T):
+    c = make_case(B=2, T=T, Hq=4, Hv=16, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx=f"T={T}")
+
+
+def test_long_sequence_32k():
+    c = make_case(B=1, T=32768, Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx="T=32768")
+
+
+def test_long_varlen_pack():
+    c = make_case(lengths=[1, 0, 4096, 63, 2000, 1, 129, 0], Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16,
+                  device=DEV)
+    _run(c, ctx="varlen long")
+
+
+@pytest.mark.parametrize("dtype,KV", [(torch.float16, 128), (torch.float16, 64), (torch.bfloat16, 64)],
+                         ids=["fp16-128", "fp16-64", "bf16-64"])
+def test_dtypes_and_head_dims(dtype, KV):
+    c = make_case(lengths=PACK + [1000], Hq=4, Hv=16, K=KV, V=KV, dtype=dtype, device=DEV)
+    _run(c, ctx=f"{dtype} K=V={KV}")
+
+
+@pytest.mark.parametrize("heads", [(8, 32), (16, 16)], ids=["Hq8-Hv32", "Hq16-Hv16"])
+def test_head_dim_64_heads(heads):
+    c = make_case(lengths=PACK, Hq=heads[0], Hv=heads[1], K=64, V=64, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx=f"K=V=64 heads={heads}")
+
+
+@pytest.mark.parametrize("opt", ["no_initial_state", "l2norm", "gate", "gate_no_dt_bias", "scale", "v_first",
+                                 "bf16_gates", "int64_cu", "all"])
+def test_options(opt):
+    kw = dict(lengths=PACK, Hq=4, Hv=16, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    if opt == "no_initial_state":
+        kw["initial_state"] = False
+    if opt in ("l2norm", "all"):
+        kw["l2norm"] = True
+    if opt in ("gate", "gate_no_dt_bias", "all"):
+        kw["gate_in_kernel"] = True
+        kw["dt_bias"] = opt != "gate_no_dt_bias"
+    if opt in ("scale", "all"):
+        kw["scale"] = 0.3
+    if opt in ("v_first", "all"):
+        kw["state_v_first"] = True
+    if opt == "bf16_gates":
+        kw["g_dtype"] = kw["beta_dtype"] = torch.bfloat16
+    if opt == "int64_cu":
+        kw["cu_dtype"] = torch.int64
+    c = make_case(**kw)
+    _run(c, ctx=opt)
+
+
+def test_without_host_seqlens():
+    """cu_seqlens only on the device (the library reads it back itself)."""
+    c = make_case(lengths=PACK, Hq=4, Hv=16, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    c.cu_seqlens_host = None
+    _run(c, ctx="no host seqlens")
+
+
+def test_no_final_state():
+    c = make_case(lengths=PACK, Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx="no final state", output_final_state=False)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("every", [64, 192])
+def test_checkpoints(varlen, every):
+    if varlen:
+        c = make_case(lengths=[700, 0, 63, 64, 1, 400], Hq=2, Hv=8, K=128, V=128, device=DEV)
+    else:
+        c = make_case(B=2, T=1000, Hq=2, Hv=8, K=128, V=128, device=DEV)
+    B, T, Hq, Hv, K, V = c.dims
+    ref = oracle_forward(c, checkpoint_every=every)
+    R = ref["checkpoints"].shape[0]
+    # low level: an exact, NaN-poisoned buffer
+    ck = torch.full((R, Hv, K, V), float("nan"), device=DEV)
+    o, ht, ck2 = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, checkpoint_every=every,
+                                           checkpoints=ck, **c.lowlevel_kwargs())
+    assert ck2 is ck
+    check("checkpoints", ck, ref["checkpoints"], c, bounds_for(c.q.dtype)["checkpoints"], sliced=False)
+    check("o", o, ref["o"], c, bounds_for(c.q.dtype)["o"])
+    check("final_state", ht, ref["final_state"], c, bounds_for(c.q.dtype)["final_state"])
+    # functional: B * (T // every) rows, the tail zero, same values
+    o3, ht3, ck3 = chunk_gated_delta_rule(*c.inputs(), output_final_state=True, checkpoint_every=every,
+                                          cu_seqlens_cpu=c.cu_seqlens_host, **c.kwargs())
+    assert ck3.shape[0] == B * (T // every)
+    assert torch.equal(ck3[:R], ck) and bool((ck3[R:] == 0).all())
+    assert torch.equal(o3, o) and torch.equal(ht3, ht)
+
+
+@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
+def test_state_pool(v_first):
+    """state_indices: initial states read from pool rows (negative: zero), final states written
+    back in place, other rows untouched."""
+    c = make_case(lengths=PACK, Hq=4, Hv=16, K=128, V=128, device=DEV, initial_state=False, state_v_first=v_first)
+    P = 9
+    pool = 0.5 * torch.randn(P, 16, 128, 128, device=DEV)
+    idx = torch.tensor([7, -1, 0, 3, 5, 1], dtype=torch.int32, device=DEV)
+    pool0 = pool.clone()
+    kw = c.kwargs()
+    kw.update(initial_state=pool, state_indices=idx)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*c.inputs(), output_final_state=True, cu_seqlens_cpu=c.cu_seqlens_host, **kw)
+    torch.cuda.synchronize()
+    assert ht is None
+    ref = reference_forward(*c.inputs(), **dict(kw, initial_state=pool0))
+    check("o", o, ref["o"], c, 6e-3, context=f"pool v_first={v_first}")
+    for n, i in enumerate(idx.tolist()):
+        if i >= 0:
+            check("final_state", pool[i:i + 1], ref["final_state"][n:n + 1], c, 6e-3, sliced=False,
+                  context=f"pool row {i}")
+    untouched = [r for r in range(P) if r not in idx.tolist()]
+    assert torch.equal(pool[untouched], pool0[untouched])
+
+
+# ---- autograd, compile, streams, graphs ------------------------------------------------------
+
+
+def test_autograd_functional():
+    c = make_case(lengths=PACK, Hq=8, Hv=32, K=128, V=128, dtype=torch.bfloat16, device=DEV, l2norm=True,
+                  gate_in_kernel=True)
+    leaves = {n: getattr(c, n).detach().clone().requires_grad_()
+              for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")}
+    kw = c.kwargs()
+    kw.update(initial_state=leaves["initial_state"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+    o, ht = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                   output_final_state=True, cu_seqlens_cpu=c.cu_seqlens_host, **kw)
+    do = torch.randn_like(o)
+    dht = torch.randn_like(ht)
+    grads = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+    rb = oracle_backward(c, do, dht)
+    names = {"initial_state": "dh0", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias"}
+    for n, gr in zip(leaves, grads):
+        key = names.get(n, "d" + n)
+        check(key, gr, rb[key], c, bounds_for(c.q.dtype)[key], context="autograd")
+
+
+def _fixed_case(lengths=(1000, 37, 513, 0, 64, 1)):
+    return make_case(lengths=list(lengths), Hq=4, Hv=16, K=128, V=128, dtype=torch.bfloat16, device=DEV,
+                     gate_in_kernel=True, l2norm=True, seed=1234)
+
+
+def _fwd_bwd_bits(c, do=None, dht=None):
+    kw = c.lowlevel_kwargs()
+    o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw)
+    if do is None:
+        gen = torch.Generator().manual_seed(99)
+        do = torch.randn(o.shape, generator=gen).to(device=DEV, dtype=o.dtype)
+        dht = torch.randn(ht.shape, generator=gen).to(DEV)
+    gr = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw)
+    return [o, ht] + [x for x in gr if x is not None]
+
+
+def test_determinism_100_runs():
+    c = _fixed_case()
+    first = _fwd_bwd_bits(c)
+    for x in first:
+        assert torch.isfinite(x.float()).all()
+    for i in range(100):
+        again = _fwd_bwd_bits(c)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), f"run {i}: results differ bitwise"
+
+
+def _seq_grads_slice(gr_list, t0, L, n):
+    o, ht, dq, dk, dv, dg, dbeta, dh0, dA, ddt = gr_list
+    s = slice(t0, t0 + L)
+    return [o[:, s], ht[n], dq[:, s], dk[:, s], dv[:, s], dg[:, s], dbeta[:, s], dh0[n]]
+
+
+def test_batch_invariance():
+    """A sequence's outputs and gradients are bitwise identical whatever is packed beside it."""
+    L = 777
+    alone = _fixed_case([L])
+    packs = [[300, L, 0, 1500], [L, 64], [1, 0, L]]
+    do_a = torch.randn(1, L, 16, 128, device=DEV).to(torch.bfloat16)
+    dht_a = torch.randn(1, 16, 128, 128, device=DEV)
+    ref = _seq_grads_slice(_fwd_bwd_bits(alone, do_a, dht_a), 0, L, 0)
+    for lengths in packs:
+        pos = lengths.index(L)
+        t0 = sum(lengths[:pos])
+        c = _fixed_case(lengths)
+        # the sequence's own inputs, initial state, do and dht are the same as alone
+        for name in ("q", "k", "v", "g", "beta"):
+            getattr(c, name)[:, t0:t0 + L] = getattr(alone, name)
+        c.initial_state[pos] = alone.initial_state[0]
+        c.A_log.copy_(alone.A_log)
+        c.dt_bias.copy_(alone.dt_bias)
+        do = torch.randn(c.v.shape, device=DEV).to(torch.bfloat16)
+        do[:, t0:t0 + L] = do_a
+        dht = torch.randn(c.initial_state.shape, device=DEV)
+        dht[pos] = dht_a[0]
+        got = _seq_grads_slice(_fwd_bwd_bits(c, do, dht), t0, L, pos)
+        for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+            assert torch.equal(a, b), f"{name} differs when packed as {lengths}"
+
+
+def test_dense_batch_invariance():
+    base = make_case(B=3, T=300, Hq=2, Hv=8, K=128, V=128, device=DEV)
+    o, ht, _ = chunk_gated_delta_rule_fwd(*base.inputs(), output_final_state=True, **base.lowlevel_kwargs())
+    one = [x[1:2].contiguous() for x in base.inputs()]
+    o1, ht1, _ = chunk_gated_delta_rule_fwd(*one, initial_state=base.initial_state[1:2].contiguous(),
+                                           output_final_state=True)
+    assert torch.equal(o[1:2], o1) and torch.equal(ht[1:2], ht1)
+
+
+def test_side_stream_same_bits():
+    c = _fixed_case()
+    ref = _fwd_bwd_bits(c)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = _fwd_bwd_bits(c)
+    torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_and_no_host_sync():
+    """With the host copy of cu_seqlens the op never synchronises: it captures into a CUDA graph,
+    and replays on new input values give the eager bits."""
+    c = _fixed_case()
+    kw = dict(c.kwargs(), cu_seqlens_cpu=c.cu_seqlens_host)
+    static = [x.clone() for x in c.inputs()]
+
+    def step():
+        o, ht = chunk_gated_delta_rule(*static, output_final_state=True, **kw)
+        return o, ht
+
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()  # warm-up
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        fresh = make_case(lengths=c.lengths, Hq=4, Hv=16, K=128, V=128, device=DEV, gate_in_kernel=True,
+                          l2norm=True)
+        for dst, src in zip(static, fresh.inputs()):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = chunk_gated_delta_rule(*fresh.inputs(), output_final_state=True, **kw)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def test_torch_compile_cuda():
+    c = make_case(lengths=PACK, Hq=4, Hv=16, K=128, V=128, device=DEV, gate_in_kernel=True, l2norm=True)
+    leaves = [x.detach().clone().requires_grad_() for x in c.inputs()]
+
+    def f(q, k, v, g, beta):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens_cpu=c.cu_seqlens_host,
+                                       **c.kwargs())
+        return o.float().square().sum() + ht.square().sum()
+
+    def grads(fn):
+        for x in leaves:
+            x.grad = None
+        loss = fn(*leaves)
+        loss.backward()
+        return [loss.detach()] + [x.grad.clone() for x in leaves]
+
+    torch._dynamo.reset()
+    ref = grads(f)
+    got = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_second_device():
+    c0 = _fixed_case()
+    ref = _fwd_bwd_bits(c0)
+    c1 = _fixed_case()
+    for name in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "A_log", "dt_bias"):
+        setattr(c1, name, getattr(c0, name).to("cuda:1"))
+    with torch.cuda.device(0):  # the op follows the tensors' device, not the current one
+        got = _fwd_bwd_bits(c1, *(x.to("cuda:1") for x in _do_dht(ref)))
+    for a, b in zip(got, ref):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+def _do_dht(ref):
+    gen = torch.Generator().manual_seed(99)
+    do = torch.randn(ref[0].shape, generator=gen).to(device=ref[0].device, dtype=ref[0].dtype)
+    dht = torch.randn(ref[1].shape, generator=gen).to(ref[0].device)
+    return do, dht
+
+
+# ---- validation on the device ---------------------------------------------------------------
+
+
+def test_cuda_validation_writes_nothing():
+    c = make_case(B=1, T=100, Hq=2, Hv=4, K=32, V=32, device=DEV)  # K = 32: not supported on cuda
+    o = nan_like(c.v)
+    with pytest.raises(ValueError, match="'q'"):
+        chunk_gated_delta_rule_fwd(*c.inputs(), o=o, **c.lowlevel_kwargs())
+    c = make_case(B=1, T=100, Hq=2, Hv=4, K=64, V=64, device=DEV)
+    o = nan_like(c.v)
+    with pytest.raises(ValueError, match="'beta'"):
+        chunk_gated_delta_rule_fwd(c.q, c.k, c.v, c.g, c.beta[:, :99], o=o)
+    with pytest.raises(ValueError, match="'g'"):
+        chunk_gated_delta_rule_fwd(c.q, c.k, c.v, c.g.cpu(), c.beta, o=o)
+    torch.cuda.synchronize()
+    assert torch.isnan(o.float()).all()
