@@ -1,0 +1,67 @@
+"""Which kernels take the time: flashgdn forward and forward+backward under torch.profiler,
+CUDA time per kernel name, for the shapes of bench/quick.py.
+
+    python bench/profile_kernels.py [--T 32768] [--out kernels.md]
+"""
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashgdn
+from quick import make_inputs  # same inputs as the quick timing
+
+
+def kernel_table(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] += e.device_time_total / reps
+    return totals
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = []
+    for Hq, Hv in [(16, 64), (2, 8)]:
+        q, k, v, g, b, h0 = make_inputs(args.T, Hq, Hv, requires_grad=True)
+        do = torch.randn_like(v)
+
+        def fwd():
+            with torch.no_grad():
+                flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+
+        def fwdbwd():
+            o, ht = flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+            torch.autograd.grad((o, ht), (q, k, v, g, b, h0), (do, torch.ones_like(ht)))
+
+        for mode, fn in (("forward", fwd), ("forward+backward", fwdbwd)):
+            t = kernel_table(fn)
+            total = sum(t.values())
+            lines += [f"\n### Hq{Hq}/Hv{Hv} 1x{args.T}, {mode}: {total / 1e3:.3f} ms of kernel time per call\n",
+                      "| kernel | ms | share |", "|---|---|---|"]
+            for name, us in t.most_common(8):
+                lines.append(f"| `{name[:90]}` | {us / 1e3:.3f} | {100 * us / total:.0f}% |")
+        del q, k, v, g, b, h0, do
+        torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
