@@ -54,6 +54,40 @@ def test_long_sequence_32k():
     _run(c, ctx="T=32768")
 
 
+def test_offsets_beyond_int32():
+    """A pack whose last sequence lives past 2^31 elements of v and o (T * Hv * V > 2^31): its
+    output and final state must match the oracle run on that sequence alone. Forward only: the
+    backward's workspace at this size exceeds one GPU's memory."""
+    Hq, Hv, D, L = 16, 64, 128, 300
+    T = (2**31) // (Hv * D) + 8000  # the last sequence starts past element 2^31 of v
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs 40 GiB of GPU memory")
+    gen = torch.Generator(device=DEV)
+    gen.seed()
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    k = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    v = torch.randn(1, T, Hv, D, generator=gen, **bf)
+    A = 16 * torch.rand(Hv, generator=gen, device=DEV)
+    A[0] = 0
+    g = -A * torch.nn.functional.softplus(torch.randn(1, T, Hv, generator=gen, device=DEV) + 1)
+    beta = torch.rand(1, T, Hv, generator=gen, device=DEV)
+    h0 = 0.1 * torch.randn(2, Hv, D, D, generator=gen, device=DEV)
+    cu = torch.tensor([0, T - L, T], dtype=torch.int64, device=DEV)
+    assert (T - L) * Hv * D > 2**31
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    torch.cuda.synchronize()
+    tail = slice(T - L, T)
+    ref = reference_forward(q[:, tail].cpu(), k[:, tail].cpu(), v[:, tail].cpu(), g[:, tail].cpu(),
+                            beta[:, tail].cpu(), initial_state=h0[1:].cpu(), use_qk_l2norm_in_kernel=True)
+    c = make_case(lengths=[L], Hq=Hq, Hv=Hv, K=D, V=D, device="cpu")  # shape bookkeeping for check()
+    b = bounds_for(torch.bfloat16)
+    check("o", o[:, tail].cpu(), ref["o"], c, b["o"], context="offsets > 2^31")
+    check("final_state", ht[1:].cpu(), ref["final_state"], c, b["final_state"], context="offsets > 2^31")
+
+
 def test_long_varlen_pack():
     c = make_case(lengths=[1, 0, 4096, 63, 2000, 1, 129, 0], Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16,
                   device=DEV)
