@@ -1,5 +1,6 @@
 """Which kernels take the time: flashgdn forward and forward+backward under torch.profiler,
-CUDA time per kernel name, for the shapes of bench/quick.py.
+CUDA time per kernel name, at (Hq, Hv) = (16, 64) and (2, 8), one sequence of T tokens, with the
+benchmark's inputs (flashgdn.bench.inputs).
 
     python bench/profile_kernels.py [--T 32768] [--out kernels.md]
 """
@@ -10,7 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashgdn
-from quick import make_inputs  # same inputs as the quick timing
+from flashgdn.bench.configs import seq
+from flashgdn.bench.inputs import make_inputs
 
 
 def kernel_table(fn, reps=3):
@@ -34,18 +36,20 @@ def main():
     args = ap.parse_args()
     lines = []
     for Hq, Hv in [(16, 64), (2, 8)]:
-        q, k, v, g, b, h0 = make_inputs(args.T, Hq, Hv, requires_grad=True)
-        do = torch.randn_like(v)
+        x = make_inputs(Hq, Hv, seq(args.T), requires_grad=True, with_grads_out=True)
+        q, k, v, g, b, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+
+        def call():
+            return flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
 
         def fwd():
             with torch.no_grad():
-                flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
+                call()
 
         def fwdbwd():
-            o, ht = flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=True)
-            torch.autograd.grad((o, ht), (q, k, v, g, b, h0), (do, torch.ones_like(ht)))
+            o, ht = call()
+            torch.autograd.grad((o, ht), (q, k, v, g, b, h0), (x["do"], x["dht"]))
 
         for mode, fn in (("forward", fwd), ("forward+backward", fwdbwd)):
             t = kernel_table(fn)
@@ -54,7 +58,7 @@ def main():
                       "| kernel | ms | share |", "|---|---|---|"]
             for name, us in t.most_common(8):
                 lines.append(f"| `{name[:90]}` | {us / 1e3:.3f} | {100 * us / total:.0f}% |")
-        del q, k, v, g, b, h0, do
+        del x, q, k, v, g, b, h0
         torch.cuda.empty_cache()
     text = "\n".join(lines)
     print(text)

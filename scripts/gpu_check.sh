@@ -62,12 +62,18 @@ if has sanitize; then
 fi
 
 if has time; then
-  $PY bench/quick.py --out "$OUT/timing.md" 2>&1 | tail -20
+  # Forward and forward+backward at (16, 64) and (2, 8), T = 32768: the benchmark's cells,
+  # flashgdn alone (python -m flashgdn.bench compares it with the peers).
+  $PY -m flashgdn.bench --full --configs 16/64,2/8 --layouts 1x32768 --modes fwd,fwdbwd \
+    --contenders flashgdn --no-check --commit "${FLASHGDN_COMMIT:-unknown}" --out "$OUT/timing" \
+    >"$OUT/timing.log" 2>&1
+  grep -E '^(fwd|bwd)' "$OUT/timing.log" | tail -8
+  $PY bench/profile_kernels.py --out "$OUT/kernels.md" >/dev/null 2>&1 || echo "kernel profile failed"
 fi
 
 echo
 echo "| step | result |"
 echo "|---|---|"
 printf '%s\n' "${SUMMARY[@]}"
-[ -f "$OUT/timing.md" ] && cat "$OUT/timing.md"
+[ -f "$OUT/timing/results.md" ] && sed -n '/^## Forward/,$p' "$OUT/timing/results.md" | head -30
 exit 0

@@ -359,6 +359,23 @@ nb::dict reference_backward(nb::kwargs kwargs) {
   return d;
 }
 
+// The workspace queries: parse the call's arguments, ask the C ABI, without the GIL.
+template <class Args>
+uint64_t workspace_size(const char* name, nb::kwargs kwargs, Args (*parse)(Kwargs&),
+                        fgdn_status (*query)(const Args*, size_t*)) {
+  Kwargs kw(name, std::move(kwargs));
+  const Args a = parse(kw);
+  kw.finish();
+  size_t bytes = 0;
+  fgdn_status s;
+  {
+    nb::gil_scoped_release release;
+    s = query(&a, &bytes);
+  }
+  check(s);
+  return static_cast<uint64_t>(bytes);
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -380,34 +397,16 @@ NB_MODULE(_C, m) {
   m.def(
       "forward_workspace_size",
       [](nb::kwargs kwargs) {
-        Kwargs kw("forward_workspace_size", std::move(kwargs));
-        fgdn_fwd_args a = parse_fwd(kw);
-        kw.finish();
-        size_t bytes = 0;
-        fgdn_status s;
-        {
-          nb::gil_scoped_release release;
-          s = fgdn_forward_workspace_size(&a, &bytes);
-        }
-        check(s);
-        return static_cast<uint64_t>(bytes);
+        return workspace_size("forward_workspace_size", std::move(kwargs), parse_fwd,
+                              fgdn_forward_workspace_size);
       },
       "forward_workspace_size(**fwd_args) -> int: device scratch bytes for forward().");
 
   m.def(
       "backward_workspace_size",
       [](nb::kwargs kwargs) {
-        Kwargs kw("backward_workspace_size", std::move(kwargs));
-        fgdn_bwd_args a = parse_bwd(kw);
-        kw.finish();
-        size_t bytes = 0;
-        fgdn_status s;
-        {
-          nb::gil_scoped_release release;
-          s = fgdn_backward_workspace_size(&a, &bytes);
-        }
-        check(s);
-        return static_cast<uint64_t>(bytes);
+        return workspace_size("backward_workspace_size", std::move(kwargs), parse_bwd,
+                              fgdn_backward_workspace_size);
       },
       "backward_workspace_size(**bwd_args) -> int: device scratch bytes for backward().");
 

@@ -88,6 +88,31 @@ class Case:
         return self.q, self.k, self.v, self.g, self.beta
 
 
+# Named option sets of the option tests (CPU and GPU): make_case keywords for each.
+OPTIONS = ["no_initial_state", "l2norm", "gate", "gate_no_dt_bias", "scale", "v_first", "bf16_gates",
+           "int64_cu", "all"]
+
+
+def option_kwargs(opt: str, scale: float) -> dict:
+    kw = {}
+    if opt == "no_initial_state":
+        kw["initial_state"] = False
+    if opt in ("l2norm", "all"):
+        kw["l2norm"] = True
+    if opt in ("gate", "gate_no_dt_bias", "all"):
+        kw["gate_in_kernel"] = True
+        kw["dt_bias"] = opt != "gate_no_dt_bias"
+    if opt in ("scale", "all"):
+        kw["scale"] = scale
+    if opt in ("v_first", "all"):
+        kw["state_v_first"] = True
+    if opt == "bf16_gates":
+        kw["g_dtype"] = kw["beta_dtype"] = torch.bfloat16
+    if opt == "int64_cu":
+        kw["cu_dtype"] = torch.int64
+    return kw
+
+
 def make_case(B: int = 1, T: int = 0, Hq: int = 2, Hv: int = 4, K: int = 64, V: int = 64,
               dtype=torch.bfloat16, device="cpu", lengths: Optional[Sequence[int]] = None,
               initial_state: bool = True, l2norm: bool = False, gate_in_kernel: bool = False,

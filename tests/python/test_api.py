@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import flashgdn
 from flashgdn import _C, chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flashgdn.reference import reference_backward, reference_forward, to_f64
-from gdn_testutil import (bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like, oracle_backward,
-                          oracle_forward)
+from gdn_testutil import (OPTIONS, bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like,
+                          option_kwargs, oracle_backward, oracle_forward)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -74,21 +74,10 @@ def test_head_dim_128_no_initial_state():
     check_all(c, o, ht, do, dht, gr)
 
 
-@pytest.mark.parametrize("opt", ["l2norm", "gate", "gate_no_dt_bias", "scale", "v_first", "bf16_gates",
-                                 "all"])
+@pytest.mark.parametrize("opt", OPTIONS)
 def test_options_vs_oracle(opt):
     kw = dict(lengths=[70, 0, 129, 5], Hq=2, Hv=4, K=32, V=32)
-    if opt in ("l2norm", "all"):
-        kw["l2norm"] = True
-    if opt in ("gate", "gate_no_dt_bias", "all"):
-        kw["gate_in_kernel"] = True
-        kw["dt_bias"] = opt != "gate_no_dt_bias"
-    if opt in ("scale", "all"):
-        kw["scale"] = 0.37
-    if opt in ("v_first", "all"):
-        kw["state_v_first"] = True
-    if opt == "bf16_gates":
-        kw["g_dtype"] = kw["beta_dtype"] = torch.bfloat16
+    kw.update(option_kwargs(opt, scale=0.37))
     c = make_case(**kw)
     o, ht, _, do, dht, gr = lowlevel_fwd_bwd(c)
     check_all(c, o, ht, do, dht, gr, ctx=opt)

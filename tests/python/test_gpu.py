@@ -13,8 +13,8 @@ import torch
 import flashgdn
 from flashgdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flashgdn.reference import reference_forward
-from gdn_testutil import (bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like,
-                          oracle_backward, oracle_forward)
+from gdn_testutil import (OPTIONS, bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like,
+                          option_kwargs, oracle_backward, oracle_forward)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,25 +107,10 @@ def test_head_dim_64_heads(heads):
     _run(c, ctx=f"K=V=64 heads={heads}")
 
 
-@pytest.mark.parametrize("opt", ["no_initial_state", "l2norm", "gate", "gate_no_dt_bias", "scale", "v_first",
-                                 "bf16_gates", "int64_cu", "all"])
+@pytest.mark.parametrize("opt", OPTIONS)
 def test_options(opt):
     kw = dict(lengths=PACK, Hq=4, Hv=16, K=128, V=128, dtype=torch.bfloat16, device=DEV)
-    if opt == "no_initial_state":
-        kw["initial_state"] = False
-    if opt in ("l2norm", "all"):
-        kw["l2norm"] = True
-    if opt in ("gate", "gate_no_dt_bias", "all"):
-        kw["gate_in_kernel"] = True
-        kw["dt_bias"] = opt != "gate_no_dt_bias"
-    if opt in ("scale", "all"):
-        kw["scale"] = 0.3
-    if opt in ("v_first", "all"):
-        kw["state_v_first"] = True
-    if opt == "bf16_gates":
-        kw["g_dtype"] = kw["beta_dtype"] = torch.bfloat16
-    if opt == "int64_cu":
-        kw["cu_dtype"] = torch.int64
+    kw.update(option_kwargs(opt, scale=0.3))
     c = make_case(**kw)
     _run(c, ctx=opt)
 
