@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "flashgdn/flashgdn.hpp"
 #include "gdn_reference.h"
 #ifdef FLASHGDN_WITH_CUDA
@@ -27,18 +28,8 @@ namespace {
 using flashgdn::make_tensor;
 namespace ref = flashgdn::reference;
 
-uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-double from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using flashgdn::bf16_to_float;
+using flashgdn::float_to_bf16;  // round to nearest even
 
 double rel_l2(const std::vector<double>& x, const std::vector<double>& r) {
   double e = 0, n = 0;
@@ -116,7 +107,7 @@ struct Buffer {
     for (size_t i = 0; i < out.size(); ++i) {
       uint16_t h;
       std::memcpy(&h, host.data() + 2 * i, 2);
-      out[i] = from_bf16(h);
+      out[i] = bf16_to_float(h);
     }
     return out;
   }
@@ -180,7 +171,7 @@ int main(int argc, char** argv) {
       dh0(ns * 4, cuda);
   auto fill_bf16 = [&](Buffer& b, double sd) {
     for (size_t i = 0; i < b.host.size() / 2; ++i) {
-      const uint16_t h = to_bf16(static_cast<float>(sd * normal(rng)));
+      const uint16_t h = float_to_bf16(static_cast<float>(sd * normal(rng)));
       std::memcpy(b.host.data() + 2 * i, &h, 2);
     }
     b.upload();

@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -34,22 +33,7 @@ constexpr double kTolF32 = 2e-5;
 constexpr double kTolReduction = 5e-5;
 
 // Largest error seen per (tensor, input dtype), printed once at the end.
-std::map<std::string, std::pair<double, std::string>>& max_errors() {
-  static std::map<std::string, std::pair<double, std::string>> m;
-  return m;
-}
-
-class ErrorSummary : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (max_errors().empty()) return;
-    std::printf("[ CpuBackend max relative L2 error vs float64 oracle ]\n");
-    for (const auto& [k, v] : max_errors())
-      std::printf("  %-30s %.3e  (%s)\n", k.c_str(), v.first, v.second.c_str());
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kSummary =
-    ::testing::AddGlobalTestEnvironment(new ErrorSummary);
+ft::ErrorSummary& errors = ft::add_error_summary("CpuBackend");
 
 // Checks one output tensor stored in `storage` against the oracle's float64 values.
 void expect_close(const std::string& name, const std::string& what, fgdn_dtype in_dt,
@@ -60,13 +44,11 @@ void expect_close(const std::string& name, const std::string& what, fgdn_dtype i
   const double err = ft::rel_l2(got, want);
   if (std::getenv("FLASHGDN_TEST_VERBOSE"))
     std::printf("  %-28s %-12s %.3e\n", name.c_str(), what.c_str(), err);
-  auto& m = max_errors()[what + " (" + flashgdn::dtype_name(in_dt) + ")"];
-  if (err >= m.first) m = {err, name};
+  errors.record(what, in_dt, err, name);
   EXPECT_LE(err, tol + u) << name << ": " << what << " rel L2 error " << err;
   if (storage != FGDN_FLOAT32) {
     const double err_r = ft::rel_l2(got, ft::round_vec(want, storage));
-    auto& mr = max_errors()[what + " (" + flashgdn::dtype_name(in_dt) + ", vs rounded)"];
-    if (err_r >= mr.first) mr = {err_r, name};
+    errors.record(what + " (" + flashgdn::dtype_name(in_dt) + ", vs rounded)", err_r, name);
     EXPECT_LE(err_r, u / 4) << name << ": " << what << " vs rounded oracle, rel L2 " << err_r;
   }
 }
@@ -90,25 +72,9 @@ void run_and_check(const ft::Spec& s) {
     if (s.state_indices) {
       // the final state of sequence n is in pool row idx[n]; rows no sequence writes (and the
       // rows of sequences with a negative index) are bitwise unchanged
-      const std::vector<double> pool = ft::state_dense(c.h0, c.P, s.Hv, s.K, s.V, s.v_first);
-      std::vector<double> got, want;
-      std::vector<char> written(static_cast<size_t>(c.P), 0);
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t r = c.idx[static_cast<size_t>(n)];
-        if (r < 0) continue;
-        written[static_cast<size_t>(r)] = 1;
-        const auto a = slice(pool, r, HKV), b = slice(ro.ht, n, HKV);
-        got.insert(got.end(), a.begin(), a.end());
-        want.insert(want.end(), b.begin(), b.end());
-      }
-      expect_close(s.name, "ht", s.dt, got, want, FGDN_FLOAT32);
-      const size_t row_bytes = static_cast<size_t>(HKV) * 4;
-      for (int64_t r = 0; r < c.P; ++r) {
-        if (written[static_cast<size_t>(r)]) continue;
-        EXPECT_EQ(0, std::memcmp(c.h0.bytes.data() + r * row_bytes, h0_before.data() + r * row_bytes,
-                                 row_bytes))
-            << s.name << ": pool row " << r << " was modified";
-      }
+      const ft::PoolFinalStates p = ft::pool_final_states(c, ro.ht);
+      expect_close(s.name, "ht", s.dt, p.got, p.want, FGDN_FLOAT32);
+      ft::expect_unwritten_rows_unchanged(c, p.written, h0_before);
     } else {
       expect_close(s.name, "ht", s.dt, ft::state_dense(c.ht, N, s.Hv, s.K, s.V, s.v_first),
                    ro.ht, FGDN_FLOAT32);
@@ -126,11 +92,7 @@ void run_and_check(const ft::Spec& s) {
   ASSERT_NO_THROW(flashgdn::backward(ba)) << s.name;
   EXPECT_EQ(c.h0.bytes, h0_before) << s.name << ": backward modified the initial state";
   ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
-  // with state_indices, a sequence with a negative index has no initial state: zero dh0
-  if (s.h0 && s.state_indices)
-    for (int64_t n = 0; n < N; ++n)
-      if (c.idx[static_cast<size_t>(n)] < 0)
-        std::fill(rg.dh0.begin() + n * HKV, rg.dh0.begin() + (n + 1) * HKV, 0.0);
+  ft::zero_dh0_of_unindexed(c, rg);
   expect_close(s.name, "dq", s.dt, c.dq.to_double(), rg.dq, s.dt);
   expect_close(s.name, "dk", s.dt, c.dk.to_double(), rg.dk, s.dt);
   expect_close(s.name, "dv", s.dt, c.dv.to_double(), rg.dv, s.dt);
@@ -159,36 +121,15 @@ void run_and_check(const ft::Spec& s) {
 
 // ---- the parametrized cases ---------------------------------------------------------------
 
-ft::Spec dense(const std::string& name, int64_t B, int64_t T, int64_t Hq, int64_t Hv, int64_t K,
-               int64_t V) {
-  ft::Spec s;
-  s.name = name;
-  s.B = B;
-  s.T = T;
-  s.Hq = Hq;
-  s.Hv = Hv;
-  s.K = K;
-  s.V = V;
-  return s;
-}
-
-ft::Spec varlen(const std::string& name, std::vector<int64_t> cu, int64_t Hq, int64_t Hv,
-                int64_t K, int64_t V) {
-  ft::Spec s = dense(name, 1, cu.back(), Hq, Hv, K, V);
-  s.cu = std::move(cu);
-  return s;
-}
+using ft::dense;
+using ft::varlen;
+using ft::with_states;
 
 std::vector<ft::Spec> all_cases() {
   std::vector<ft::Spec> v;
   auto add = [&](ft::Spec s) {
     s.seed = 1000 + v.size();
     v.push_back(std::move(s));
-  };
-  auto with_states = [](ft::Spec s) {
-    s.h0 = true;
-    s.dht = true;
-    return s;
   };
   const std::vector<int64_t> cu_edge = {0, 0, 1, 70, 70, 135, 200};  // empty, one-token, partial
 

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -42,22 +41,7 @@ constexpr double kTolSlice = 2 * kTol;
 #endif
 }
 
-std::map<std::string, std::pair<double, std::string>>& max_errors() {
-  static std::map<std::string, std::pair<double, std::string>> m;
-  return m;
-}
-
-class ErrorSummary : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (max_errors().empty()) return;
-    std::printf("[ CudaBackward max relative L2 error vs float64 oracle ]\n");
-    for (const auto& [k, v] : max_errors())
-      std::printf("  %-30s %.3e  (%s)\n", k.c_str(), v.first, v.second.c_str());
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kSummary =
-    ::testing::AddGlobalTestEnvironment(new ErrorSummary);
+[[maybe_unused]] ft::ErrorSummary& errors = ft::add_error_summary("CudaBackward");
 
 #if defined(FLASHGDN_WITH_CUDA)
 
@@ -125,22 +109,15 @@ struct DeviceArgs {
   }
 };
 
-bool all_finite(const std::vector<double>& x) {
-  for (double e : x)
-    if (!std::isfinite(e)) return false;
-  return true;
-}
-
 void expect_close(const std::string& name, const std::string& what, const std::vector<double>& got,
                   const std::vector<double>& want, double tol) {
   ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
-  EXPECT_TRUE(all_finite(got)) << name << ": " << what << " has non-finite elements";
+  EXPECT_TRUE(ft::all_finite(got)) << name << ": " << what << " has non-finite elements";
   const double err = ft::rel_l2(got, want);
   EXPECT_LE(err, tol) << name << ": " << what << " relative L2 error " << err;
   if (std::getenv("FLASHGDN_TEST_VERBOSE"))
     std::printf("  %-28s %-8s %.3e\n", name.c_str(), what.c_str(), err);
-  auto& m = max_errors()[what];
-  if (err >= m.first) m = {err, name};
+  errors.record(what, err, name);
 }
 
 // Rows [t0, t0 + len) of batch row b, head h, of a [B, T, H, D] tensor.
@@ -170,11 +147,8 @@ void run_and_check(const ft::Spec& s) {
   run_backward(c, dev);
   if (::testing::Test::HasFatalFailure()) return;
   ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
-  const int64_t N = s.N(), HKV = s.Hv * s.K * s.V;
-  if (s.h0 && s.state_indices)
-    for (int64_t n = 0; n < N; ++n)
-      if (c.idx[static_cast<size_t>(n)] < 0)
-        std::fill(rg.dh0.begin() + n * HKV, rg.dh0.begin() + (n + 1) * HKV, 0.0);
+  ft::zero_dh0_of_unindexed(c, rg);
+  const int64_t N = s.N();
   const auto dq = c.dq.to_double(), dk = c.dk.to_double(), dv = c.dv.to_double();
   expect_close(s.name, "dq", dq, rg.dq, kTol);
   expect_close(s.name, "dk", dk, rg.dk, kTol);
@@ -221,32 +195,9 @@ void run_and_check(const ft::Spec& s) {
 
 #endif  // FLASHGDN_WITH_CUDA
 
-ft::Spec dense(const std::string& name, int64_t B, int64_t T, int64_t Hq, int64_t Hv, int64_t D,
-               fgdn_dtype dt = FGDN_BFLOAT16) {
-  ft::Spec s;
-  s.name = name;
-  s.B = B;
-  s.T = T;
-  s.Hq = Hq;
-  s.Hv = Hv;
-  s.K = D;
-  s.V = D;
-  s.dt = dt;
-  return s;
-}
-
-ft::Spec varlen(const std::string& name, std::vector<int64_t> cu, int64_t Hq, int64_t Hv,
-                int64_t D, fgdn_dtype dt = FGDN_BFLOAT16) {
-  ft::Spec s = dense(name, 1, cu.back(), Hq, Hv, D, dt);
-  s.cu = std::move(cu);
-  return s;
-}
-
-ft::Spec with_states(ft::Spec s) {
-  s.h0 = true;
-  s.dht = true;
-  return s;
-}
+using ft::dense_d;
+using ft::varlen_d;
+using ft::with_states;
 
 std::vector<ft::Spec> all_cases() {
   std::vector<ft::Spec> v;
@@ -256,53 +207,54 @@ std::vector<ft::Spec> all_cases() {
   };
   const std::vector<int64_t> cu_edge = {0, 0, 1, 70, 70, 135, 200, 264};  // empty, one-token, ...
 
-  add(with_states(dense("T1_B2_Hq1_Hv1_D64", 2, 1, 1, 1, 64)));
-  add(dense("T63_Hq3_Hv3_D64_fp16", 1, 63, 3, 3, 64, FGDN_FLOAT16));
-  add(with_states(dense("T64_Hq2_Hv8_D128", 1, 64, 2, 8, 128)));
+  add(with_states(dense_d("T1_B2_Hq1_Hv1_D64", 2, 1, 1, 1, 64)));
+  add(dense_d("T63_Hq3_Hv3_D64_fp16", 1, 63, 3, 3, 64, FGDN_FLOAT16));
+  add(with_states(dense_d("T64_Hq2_Hv8_D128", 1, 64, 2, 8, 128)));
   {
-    ft::Spec s = dense("T65_Hq4_Hv4_D128_l2norm", 1, 65, 4, 4, 128);
+    ft::Spec s = dense_d("T65_Hq4_Hv4_D128_l2norm", 1, 65, 4, 4, 128);
     s.l2norm = true;
     add(s);
   }
   {
-    ft::Spec s = with_states(dense("T1000_Hq1_Hv2_D128_l2norm", 1, 1000, 1, 2, 128));
+    ft::Spec s = with_states(dense_d("T1000_Hq1_Hv2_D128_l2norm", 1, 1000, 1, 2, 128));
     s.l2norm = true;
     add(s);
   }
   {
-    ft::Spec s = dense("T4096_Hq1_Hv1_D128_l2norm_gk", 1, 4096, 1, 1, 128);
+    ft::Spec s = dense_d("T4096_Hq1_Hv1_D128_l2norm_gk", 1, 4096, 1, 1, 128);
     s.l2norm = true;
     s.gate_in_kernel = true;
     add(s);
   }
   {
-    ft::Spec s = with_states(dense("GVA16_64_T130_D128", 1, 130, 16, 64, 128));
+    ft::Spec s = with_states(dense_d("GVA16_64_T130_D128", 1, 130, 16, 64, 128));
     s.l2norm = true;
     add(s);
   }
-  add(with_states(dense("GVA2_8_B2_T300_D64_fp16", 2, 300, 2, 8, 64, FGDN_FLOAT16)));
-  add(dense("GVA32_32_T100_D128", 1, 100, 32, 32, 128));
+  add(with_states(dense_d("GVA2_8_B2_T300_D64_fp16", 2, 300, 2, 8, 64, FGDN_FLOAT16)));
+  add(dense_d("GVA32_32_T100_D128", 1, 100, 32, 32, 128));
   {
-    ft::Spec s = with_states(varlen("varlen_edge_D64_l2norm", cu_edge, 2, 4, 64));
+    ft::Spec s = with_states(varlen_d("varlen_edge_D64_l2norm", cu_edge, 2, 4, 64));
     s.l2norm = true;
     add(s);
   }
   {
-    ft::Spec s = with_states(varlen("varlen_gate_in_kernel_D128", cu_edge, 1, 2, 128));
+    ft::Spec s = with_states(varlen_d("varlen_gate_in_kernel_D128", cu_edge, 1, 2, 128));
     s.gate_in_kernel = true;
     s.g_dt = FGDN_BFLOAT16;
     s.beta_dt = FGDN_BFLOAT16;
     add(s);
   }
   {
-    ft::Spec s = with_states(varlen("varlen_pool_vfirst_D64_fp16", cu_edge, 1, 2, 64, FGDN_FLOAT16));
+    ft::Spec s =
+        with_states(varlen_d("varlen_pool_vfirst_D64_fp16", cu_edge, 1, 2, 64, FGDN_FLOAT16));
     s.state_indices = true;
     s.v_first = true;
     s.l2norm = true;
     add(s);
   }
   {
-    ft::Spec s = with_states(dense("T200_Hq2_Hv4_D128_fp16_bf16gates", 1, 200, 2, 4, 128,
+    ft::Spec s = with_states(dense_d("T200_Hq2_Hv4_D128_fp16_bf16gates", 1, 200, 2, 4, 128,
                                    FGDN_FLOAT16));
     s.g_dt = FGDN_BFLOAT16;
     s.beta_dt = FGDN_BFLOAT16;
@@ -342,7 +294,7 @@ std::vector<unsigned char> all_grad_bytes(ft::Case& c) {
 TEST(CudaBackward, BitwiseIdenticalOverRuns) {
 #if defined(FLASHGDN_WITH_CUDA)
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  ft::Spec s = with_states(varlen("det", {0, 0, 1, 70, 200, 330}, 2, 4, 64));
+  ft::Spec s = with_states(varlen_d("det", {0, 0, 1, 70, 200, 330}, 2, 4, 64));
   s.gate_in_kernel = true;
   s.l2norm = true;
   std::vector<unsigned char> first;
@@ -365,14 +317,14 @@ TEST(CudaBackward, IndependentOfPacking) {
 #if defined(FLASHGDN_WITH_CUDA)
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   const int64_t L = 150, Hq = 1, Hv = 2, D = 64;
-  ft::Spec alone = varlen("alone", {0, L}, Hq, Hv, D);
+  ft::Spec alone = varlen_d("alone", {0, L}, Hq, Hv, D);
   alone.l2norm = true;
   ft::Case ca(alone);
   DeviceArgs da;
   run_backward(ca, da);
   if (HasFatalFailure()) return;
   // the packed problem: 37 tokens, the same sequence, 90 tokens
-  ft::Spec packed = varlen("packed", {0, 37, 37 + L, 37 + L + 90}, Hq, Hv, D);
+  ft::Spec packed = varlen_d("packed", {0, 37, 37 + L, 37 + L + 90}, Hq, Hv, D);
   packed.l2norm = true;
   ft::Case cp(packed);
   // copy the sequence's inputs into the middle slot of the packed case

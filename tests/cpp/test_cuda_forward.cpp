@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -48,21 +47,7 @@ constexpr double kTolSlice = 1.2e-2;
 
 #define CU(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
 
-std::map<std::string, std::pair<double, std::string>>& max_errors() {
-  static std::map<std::string, std::pair<double, std::string>> m;
-  return m;
-}
-class ErrorSummary : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (max_errors().empty()) return;
-    std::printf("[ CudaForward max relative L2 error vs float64 oracle ]\n");
-    for (const auto& [k, v] : max_errors())
-      std::printf("  %-34s %.3e  (%s)\n", k.c_str(), v.first, v.second.c_str());
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kSummary =
-    ::testing::AddGlobalTestEnvironment(new ErrorSummary);
+ft::ErrorSummary& errors = ft::add_error_summary("CudaForward", 34);
 
 // Device copies of host buffers; freed at scope end.
 struct DeviceArena {
@@ -105,15 +90,49 @@ struct DeviceArena {
   }
 };
 
-void record(const std::string& what, fgdn_dtype dt, double err, const std::string& name) {
-  auto& m = max_errors()[what + " (" + flashgdn::dtype_name(dt) + ")"];
-  if (err >= m.first) m = {err, name};
+// Uploads the inputs fa points at and makes NaN-poisoned device outputs; with
+// pass_host_seqlens, fa also gets the host copy of cu_seqlens.
+void to_device(DeviceArena& dev, ft::Case& c, flashgdn::FwdArgs& fa, bool pass_host_seqlens) {
+  fgdn_inputs& in = fa.in;
+  ASSERT_TRUE(dev.upload(c.q, in.q));
+  ASSERT_TRUE(dev.upload(c.k, in.k));
+  ASSERT_TRUE(dev.upload(c.v, in.v));
+  ASSERT_TRUE(dev.upload(c.g, in.g));
+  ASSERT_TRUE(dev.upload(c.beta, in.beta));
+  if (in.A_log.data) {
+    ASSERT_TRUE(dev.upload(c.A_log, in.A_log));
+  }
+  if (in.dt_bias.data) {
+    ASSERT_TRUE(dev.upload(c.dt_bias, in.dt_bias));
+  }
+  if (in.cu_seqlens.data) {
+    if (pass_host_seqlens) in.cu_seqlens_host = c.cu_buf.tensor({c.s.N() + 1});
+    ASSERT_TRUE(dev.upload(c.cu_buf, in.cu_seqlens));
+  }
+  if (in.initial_state.data) {
+    ASSERT_TRUE(dev.upload(c.h0, in.initial_state));
+  }
+  if (in.state_indices.data) {
+    ASSERT_TRUE(dev.upload(c.idx_buf, in.state_indices));
+  }
+  ASSERT_TRUE(dev.output(c.o, fa.o));
+  if (fa.final_state.data) {
+    ASSERT_TRUE(dev.output(c.ht, fa.final_state));
+  }
+  if (fa.checkpoints.data) {
+    ASSERT_TRUE(dev.output(c.ck, fa.checkpoints));
+  }
 }
 
-bool all_finite(const std::vector<double>& x) {
-  for (double v : x)
-    if (!std::isfinite(v)) return false;
-  return true;
+// Copies o, the final state and the checkpoints back into c.
+void outputs_to_host(ft::Case& c, const flashgdn::FwdArgs& fa) {
+  ASSERT_TRUE(DeviceArena::download(c.o, fa.o));
+  if (fa.final_state.data) {
+    ASSERT_TRUE(DeviceArena::download(c.ht, fa.final_state));
+  }
+  if (fa.checkpoints.data) {
+    ASSERT_TRUE(DeviceArena::download(c.ck, fa.checkpoints));
+  }
 }
 
 // Whole-tensor and per-slice checks. Slices: `count` consecutive blocks of `slice_len` values,
@@ -123,9 +142,10 @@ void expect_close(const std::string& name, const std::string& what, fgdn_dtype d
                   const std::vector<double>& got, const std::vector<double>& want,
                   int64_t count, int64_t slice_len, SliceOk slice_ok) {
   ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
-  EXPECT_TRUE(all_finite(got)) << name << ": " << what << " has non-finite (unwritten) elements";
+  EXPECT_TRUE(ft::all_finite(got))
+      << name << ": " << what << " has non-finite (unwritten) elements";
   const double err = ft::rel_l2(got, want);
-  record(what, dt, err, name);
+  errors.record(what, dt, err, name);
   if (std::getenv("FLASHGDN_TEST_VERBOSE"))
     std::printf("  %-34s %-12s %.3e\n", name.c_str(), what.c_str(), err);
   EXPECT_LE(err, kTolTensor) << name << ": " << what << " rel L2 error " << err;
@@ -144,7 +164,7 @@ void expect_close(const std::string& name, const std::string& what, fgdn_dtype d
       worst_i = i;
     }
   }
-  record(what + " per slice", dt, worst, name);
+  errors.record(what + " per slice", dt, worst, name);
   EXPECT_LE(worst, kTolSlice) << name << ": " << what << " worst slice " << worst_i
                               << " rel L2 error " << worst;
 }
@@ -166,38 +186,10 @@ std::vector<double> o_by_seq_head(const ft::Spec& s, const std::vector<double>& 
 
 void run_and_check(const ft::Spec& s, bool pass_host_seqlens = true) {
   ft::Case c(s);
-  const int64_t N = s.N(), HKV = s.Hv * s.K * s.V, KV = s.K * s.V;
+  const int64_t N = s.N(), KV = s.K * s.V;
   flashgdn::FwdArgs fa = c.fwd_args();
   DeviceArena dev;
-  fgdn_inputs& in = fa.in;
-  ASSERT_TRUE(dev.upload(c.q, in.q));
-  ASSERT_TRUE(dev.upload(c.k, in.k));
-  ASSERT_TRUE(dev.upload(c.v, in.v));
-  ASSERT_TRUE(dev.upload(c.g, in.g));
-  ASSERT_TRUE(dev.upload(c.beta, in.beta));
-  if (in.A_log.data) {
-    ASSERT_TRUE(dev.upload(c.A_log, in.A_log));
-  }
-  if (in.dt_bias.data) {
-    ASSERT_TRUE(dev.upload(c.dt_bias, in.dt_bias));
-  }
-  if (in.cu_seqlens.data) {
-    if (pass_host_seqlens) in.cu_seqlens_host = c.cu_buf.tensor({N + 1});
-    ASSERT_TRUE(dev.upload(c.cu_buf, in.cu_seqlens));
-  }
-  if (in.initial_state.data) {
-    ASSERT_TRUE(dev.upload(c.h0, in.initial_state));
-  }
-  if (in.state_indices.data) {
-    ASSERT_TRUE(dev.upload(c.idx_buf, in.state_indices));
-  }
-  ASSERT_TRUE(dev.output(c.o, fa.o));
-  if (fa.final_state.data) {
-    ASSERT_TRUE(dev.output(c.ht, fa.final_state));
-  }
-  if (fa.checkpoints.data) {
-    ASSERT_TRUE(dev.output(c.ck, fa.checkpoints));
-  }
+  ASSERT_NO_FATAL_FAILURE(to_device(dev, c, fa, pass_host_seqlens));
   const std::vector<unsigned char> pool_before = c.h0.bytes;
 
   try {
@@ -206,15 +198,9 @@ void run_and_check(const ft::Spec& s, bool pass_host_seqlens = true) {
     FAIL() << s.name << ": forward threw: " << e.what();
   }
   CU(cudaDeviceSynchronize());
-  ASSERT_TRUE(DeviceArena::download(c.o, fa.o));
-  if (fa.final_state.data) {
-    ASSERT_TRUE(DeviceArena::download(c.ht, fa.final_state));
-  }
-  if (fa.checkpoints.data) {
-    ASSERT_TRUE(DeviceArena::download(c.ck, fa.checkpoints));
-  }
-  if (in.initial_state.data) {
-    ASSERT_TRUE(DeviceArena::download(c.h0, in.initial_state));
+  ASSERT_NO_FATAL_FAILURE(outputs_to_host(c, fa));
+  if (fa.in.initial_state.data) {
+    ASSERT_TRUE(DeviceArena::download(c.h0, fa.in.initial_state));
   }
 
   const ref::Outputs ro = ref::forward(c.rp, c.ri);
@@ -227,9 +213,9 @@ void run_and_check(const ft::Spec& s, bool pass_host_seqlens = true) {
     const auto got = o_by_seq_head(s, c.o.to_double());
     const auto want = o_by_seq_head(s, ro.o);
     ASSERT_EQ(got.size(), want.size());
-    EXPECT_TRUE(all_finite(c.o.to_double())) << s.name << ": o has unwritten elements";
+    EXPECT_TRUE(ft::all_finite(c.o.to_double())) << s.name << ": o has unwritten elements";
     const double err = ft::rel_l2(got, want);
-    record("o", s.dt, err, s.name);
+    errors.record("o", s.dt, err, s.name);
     if (std::getenv("FLASHGDN_TEST_VERBOSE"))
       std::printf("  %-34s %-12s %.3e\n", s.name.c_str(), "o", err);
     EXPECT_LE(err, kTolTensor) << s.name << ": o rel L2 error " << err;
@@ -244,31 +230,16 @@ void run_and_check(const ft::Spec& s, bool pass_host_seqlens = true) {
       }
       off += n;
     }
-    record("o per slice", s.dt, worst, s.name);
+    errors.record("o per slice", s.dt, worst, s.name);
     EXPECT_LE(worst, kTolSlice) << s.name << ": o worst (sequence, head) rel L2 " << worst;
   }
 
   if (s.final_state) {
     if (s.state_indices) {
-      const std::vector<double> pool = ft::state_dense(c.h0, c.P, s.Hv, s.K, s.V, s.v_first);
-      std::vector<double> got, want;
-      std::vector<char> written(static_cast<size_t>(c.P), 0);
-      for (int64_t n = 0; n < N; ++n) {
-        const int64_t r = c.idx[static_cast<size_t>(n)];
-        if (r < 0) continue;
-        written[static_cast<size_t>(r)] = 1;
-        got.insert(got.end(), pool.begin() + r * HKV, pool.begin() + (r + 1) * HKV);
-        want.insert(want.end(), ro.ht.begin() + n * HKV, ro.ht.begin() + (n + 1) * HKV);
-      }
-      const int64_t rows = static_cast<int64_t>(got.size()) / KV;
-      expect_close(s.name, "ht", s.dt, got, want, rows, KV, [](int64_t) { return true; });
-      const size_t row_bytes = static_cast<size_t>(HKV) * 4;
-      for (int64_t r = 0; r < c.P; ++r) {
-        if (written[static_cast<size_t>(r)]) continue;
-        EXPECT_EQ(0, std::memcmp(c.h0.bytes.data() + r * row_bytes,
-                                 pool_before.data() + r * row_bytes, row_bytes))
-            << s.name << ": pool row " << r << " was modified";
-      }
+      const ft::PoolFinalStates p = ft::pool_final_states(c, ro.ht);
+      const int64_t rows = static_cast<int64_t>(p.got.size()) / KV;
+      expect_close(s.name, "ht", s.dt, p.got, p.want, rows, KV, [](int64_t) { return true; });
+      ft::expect_unwritten_rows_unchanged(c, p.written, pool_before);
     } else {
       expect_close(s.name, "ht", s.dt, ft::state_dense(c.ht, N, s.Hv, s.K, s.V, s.v_first),
                    ro.ht, N * s.Hv, KV, [](int64_t) { return true; });
@@ -285,28 +256,9 @@ void run_and_check(const ft::Spec& s, bool pass_host_seqlens = true) {
 
 // ---- cases -----------------------------------------------------------------------------------
 
-ft::Spec dense(const std::string& name, int64_t B, int64_t T, int64_t Hq, int64_t Hv, int64_t D,
-               fgdn_dtype dt = FGDN_BFLOAT16) {
-  ft::Spec s;
-  s.name = name;
-  s.B = B;
-  s.T = T;
-  s.Hq = Hq;
-  s.Hv = Hv;
-  s.K = s.V = D;
-  s.dt = dt;
-  return s;
-}
-ft::Spec varlen(const std::string& name, std::vector<int64_t> cu, int64_t Hq, int64_t Hv,
-                int64_t D, fgdn_dtype dt = FGDN_BFLOAT16) {
-  ft::Spec s = dense(name, 1, cu.back(), Hq, Hv, D, dt);
-  s.cu = std::move(cu);
-  return s;
-}
-ft::Spec with_h0(ft::Spec s) {
-  s.h0 = true;
-  return s;
-}
+using ft::dense_d;
+using ft::varlen_d;
+using ft::with_h0;
 
 std::vector<ft::Spec> all_cases() {
   std::vector<ft::Spec> v;
@@ -318,69 +270,70 @@ std::vector<ft::Spec> all_cases() {
 
   // sequence lengths around the chunk size
   for (int64_t T : {1, 63, 64, 65, 1000}) {
-    add(with_h0(dense("bf16_T" + std::to_string(T) + "_Hq2_Hv8_D128", 1, T, 2, 8, 128)));
-    add(with_h0(dense("fp16_T" + std::to_string(T) + "_Hq2_Hv4_D64", 2, T, 2, 4, 64,
+    add(with_h0(dense_d("bf16_T" + std::to_string(T) + "_Hq2_Hv8_D128", 1, T, 2, 8, 128)));
+    add(with_h0(dense_d("fp16_T" + std::to_string(T) + "_Hq2_Hv4_D64", 2, T, 2, 4, 64,
                       FGDN_FLOAT16)));
   }
-  add(dense("bf16_T4096_Hq2_Hv8_D128_nostate", 1, 4096, 2, 8, 128));
-  add(with_h0(dense("fp16_T4096_Hq1_Hv2_D64", 1, 4096, 1, 2, 64, FGDN_FLOAT16)));
+  add(dense_d("bf16_T4096_Hq2_Hv8_D128_nostate", 1, 4096, 2, 8, 128));
+  add(with_h0(dense_d("fp16_T4096_Hq1_Hv2_D64", 1, 4096, 1, 2, 64, FGDN_FLOAT16)));
   // GVA configurations
-  add(with_h0(dense("bf16_gva_16_64_T300_D128", 1, 300, 16, 64, 128)));
-  add(with_h0(dense("bf16_gva_32_32_T200_D64", 1, 200, 32, 32, 64)));
-  add(with_h0(dense("fp16_gva_3_3_T130_D128", 1, 130, 3, 3, 128, FGDN_FLOAT16)));
+  add(with_h0(dense_d("bf16_gva_16_64_T300_D128", 1, 300, 16, 64, 128)));
+  add(with_h0(dense_d("bf16_gva_32_32_T200_D64", 1, 200, 32, 32, 64)));
+  add(with_h0(dense_d("fp16_gva_3_3_T130_D128", 1, 130, 3, 3, 128, FGDN_FLOAT16)));
   // varlen with zero-length and one-token sequences
-  add(with_h0(varlen("bf16_varlen_edge_D64", cu_edge, 2, 4, 64)));
-  add(with_h0(varlen("fp16_varlen_edge_D128", cu_edge, 1, 3, 128, FGDN_FLOAT16)));
-  add(varlen("bf16_varlen_long_D128", {0, 1, 1000, 1000, 2100, 2164}, 2, 8, 128));
+  add(with_h0(varlen_d("bf16_varlen_edge_D64", cu_edge, 2, 4, 64)));
+  add(with_h0(varlen_d("fp16_varlen_edge_D128", cu_edge, 1, 3, 128, FGDN_FLOAT16)));
+  add(varlen_d("bf16_varlen_long_D128", {0, 1, 1000, 1000, 2100, 2164}, 2, 8, 128));
   // gates and options
   for (auto [nm, gate] : {std::pair{"zero", ft::Gate::Zero}, std::pair{"strong", ft::Gate::Strong},
                           std::pair{"mixed", ft::Gate::Mixed}}) {
-    ft::Spec s = with_h0(dense(std::string("bf16_gate_") + nm + "_T300", 1, 300, 2, 4, 64));
+    ft::Spec s = with_h0(dense_d(std::string("bf16_gate_") + nm + "_T300", 1, 300, 2, 4, 64));
     s.gate = gate;
     add(s);
   }
   {
-    ft::Spec s = with_h0(varlen("bf16_l2norm_varlen_D128", cu_edge, 2, 4, 128));
+    ft::Spec s = with_h0(varlen_d("bf16_l2norm_varlen_D128", cu_edge, 2, 4, 128));
     s.l2norm = true;
     add(s);
-    s = with_h0(dense("fp16_l2norm_D64_T500", 2, 500, 1, 4, 64, FGDN_FLOAT16));
+    s = with_h0(dense_d("fp16_l2norm_D64_T500", 2, 500, 1, 4, 64, FGDN_FLOAT16));
     s.l2norm = true;
     add(s);
   }
   {
-    ft::Spec s = with_h0(varlen("bf16_gate_in_kernel_varlen", cu_edge, 2, 4, 64));
+    ft::Spec s = with_h0(varlen_d("bf16_gate_in_kernel_varlen", cu_edge, 2, 4, 64));
     s.gate_in_kernel = true;
     s.g_dt = s.beta_dt = FGDN_BFLOAT16;
     add(s);
-    s = with_h0(dense("fp16_gate_in_kernel_no_dt_bias", 2, 200, 1, 3, 128, FGDN_FLOAT16));
+    s = with_h0(dense_d("fp16_gate_in_kernel_no_dt_bias", 2, 200, 1, 3, 128, FGDN_FLOAT16));
     s.gate_in_kernel = true;
     s.dt_bias = false;
     add(s);
   }
   {
-    ft::Spec s = with_h0(varlen("bf16_state_indices_D128", cu_edge, 1, 2, 128));
+    ft::Spec s = with_h0(varlen_d("bf16_state_indices_D128", cu_edge, 1, 2, 128));
     s.state_indices = true;
     add(s);
-    s = with_h0(varlen("fp16_state_indices_vfirst_D64", cu_edge, 2, 2, 64, FGDN_FLOAT16));
+    s = with_h0(varlen_d("fp16_state_indices_vfirst_D64", cu_edge, 2, 2, 64, FGDN_FLOAT16));
     s.state_indices = true;
     s.v_first = true;
     add(s);
   }
   {
-    ft::Spec s = with_h0(dense("bf16_v_first_D128", 2, 150, 1, 2, 128));
+    ft::Spec s = with_h0(dense_d("bf16_v_first_D128", 2, 150, 1, 2, 128));
     s.v_first = true;
     add(s);
   }
   {
-    ft::Spec s = with_h0(dense("bf16_checkpoints_64_D64", 2, 200, 1, 2, 64));
+    ft::Spec s = with_h0(dense_d("bf16_checkpoints_64_D64", 2, 200, 1, 2, 64));
     s.checkpoint_every = 64;
     add(s);
-    s = with_h0(varlen("bf16_checkpoints_128_varlen_D128", {0, 1, 129, 300, 300, 428}, 1, 2, 128));
+    s = with_h0(
+        varlen_d("bf16_checkpoints_128_varlen_D128", {0, 1, 129, 300, 300, 428}, 1, 2, 128));
     s.checkpoint_every = 128;
     add(s);
   }
   {
-    ft::Spec s = with_h0(varlen("bf16_all_options_D128", {0, 0, 1, 65, 200, 330}, 2, 4, 128));
+    ft::Spec s = with_h0(varlen_d("bf16_all_options_D128", {0, 0, 1, 65, 200, 330}, 2, 4, 128));
     s.state_indices = true;
     s.v_first = true;
     s.checkpoint_every = 64;
@@ -409,7 +362,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda, CudaForwardCase, ::testing::ValuesIn(all_cases())
 // cu_seqlens read back from the device (no host copy given).
 TEST(CudaForward, VarlenWithoutHostSeqlens) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  ft::Spec s = with_h0(varlen("varlen_device_only", {0, 0, 1, 70, 70, 135}, 2, 4, 64));
+  ft::Spec s = with_h0(varlen_d("varlen_device_only", {0, 0, 1, 70, 70, 135}, 2, 4, 64));
   s.checkpoint_every = 64;
   run_and_check(s, /*pass_host_seqlens=*/false);
 }
@@ -417,26 +370,17 @@ TEST(CudaForward, VarlenWithoutHostSeqlens) {
 // Same inputs twice: bitwise identical outputs (no races, deterministic).
 TEST(CudaForward, Deterministic) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  ft::Spec s = with_h0(varlen("det", {0, 5, 200, 300}, 2, 4, 128));
+  ft::Spec s = with_h0(varlen_d("det", {0, 5, 200, 300}, 2, 4, 128));
   ft::Case c(s);
   std::vector<unsigned char> first;
   for (int rep = 0; rep < 2; ++rep) {
     flashgdn::FwdArgs fa = c.fwd_args();
     DeviceArena dev;
-    fgdn_inputs& in = fa.in;
-    ASSERT_TRUE(dev.upload(c.q, in.q));
-    ASSERT_TRUE(dev.upload(c.k, in.k));
-    ASSERT_TRUE(dev.upload(c.v, in.v));
-    ASSERT_TRUE(dev.upload(c.g, in.g));
-    ASSERT_TRUE(dev.upload(c.beta, in.beta));
-    ASSERT_TRUE(dev.upload(c.cu_buf, in.cu_seqlens));
-    ASSERT_TRUE(dev.upload(c.h0, in.initial_state));
-    ASSERT_TRUE(dev.output(c.o, fa.o));
-    ASSERT_TRUE(dev.output(c.ht, fa.final_state));
+    // the inputs, o and the final state; no host copy of cu_seqlens
+    ASSERT_NO_FATAL_FAILURE(to_device(dev, c, fa, /*pass_host_seqlens=*/false));
     ASSERT_NO_THROW(flashgdn::forward(fa));
     CU(cudaDeviceSynchronize());
-    ASSERT_TRUE(DeviceArena::download(c.o, fa.o));
-    ASSERT_TRUE(DeviceArena::download(c.ht, fa.final_state));
+    ASSERT_NO_FATAL_FAILURE(outputs_to_host(c, fa));
     std::vector<unsigned char> all = c.o.bytes;
     all.insert(all.end(), c.ht.bytes.begin(), c.ht.bytes.end());
     if (rep == 0) first = all;

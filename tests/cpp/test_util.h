@@ -1,15 +1,20 @@
 // Shared helpers for the C++ tests: random problems with realistic gates, conversion of double
 // vectors to storage-dtype host buffers (and back), fgdn_*_args built with flashgdn::make_tensor,
-// and the relative L2 error ||x - ref|| / ||ref||.
+// the relative L2 error ||x - ref|| / ||ref|| and a summary of the largest errors of a run.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -120,6 +125,49 @@ inline double rel_l2(const std::vector<double>& x, const std::vector<double>& re
   return std::sqrt(num / den);
 }
 
+inline bool all_finite(const std::vector<double>& x) {
+  for (double e : x)
+    if (!std::isfinite(e)) return false;
+  return true;
+}
+
+// The largest error seen per key (an output tensor, often with its dtype) and the case that gave
+// it, printed once when the test program ends. Each test file makes its own with
+// add_error_summary.
+class ErrorSummary : public ::testing::Environment {
+ public:
+  ErrorSummary(std::string title, int key_width)
+      : title_(std::move(title)), key_width_(key_width) {}
+
+  void record(const std::string& key, double err, const std::string& name) {
+    auto& m = max_[key];
+    if (err >= m.first) m = {err, name};
+  }
+  // Key "what (dtype)".
+  void record(const std::string& what, fgdn_dtype dt, double err, const std::string& name) {
+    record(what + " (" + dtype_name(dt) + ")", err, name);
+  }
+
+  void TearDown() override {
+    if (max_.empty()) return;
+    std::printf("[ %s max relative L2 error vs float64 oracle ]\n", title_.c_str());
+    for (const auto& [k, v] : max_)
+      std::printf("  %-*s %.3e  (%s)\n", key_width_, k.c_str(), v.first, v.second.c_str());
+  }
+
+ private:
+  std::string title_;
+  int key_width_;
+  std::map<std::string, std::pair<double, std::string>> max_;
+};
+
+// A new ErrorSummary titled `title`, registered with gtest (which owns it).
+inline ErrorSummary& add_error_summary(const std::string& title, int key_width = 30) {
+  auto* e = new ErrorSummary(title, key_width);
+  ::testing::AddGlobalTestEnvironment(e);
+  return *e;
+}
+
 // ---- states: dense [R, Hv, K, V] doubles <-> fp32 buffers in either layout ----------------
 
 inline HostBuffer state_buffer(const std::vector<double>& dense, int64_t R, int64_t Hv, int64_t K,
@@ -183,6 +231,51 @@ struct Spec {
 
 // gtest prints a parameter by its name.
 inline void PrintTo(const Spec& s, std::ostream* os) { *os << s.name; }
+
+// B sequences of T tokens (everything else as Spec's defaults, float32 unless dt says).
+inline Spec dense(const std::string& name, int64_t B, int64_t T, int64_t Hq, int64_t Hv, int64_t K,
+                  int64_t V, fgdn_dtype dt = FGDN_FLOAT32) {
+  Spec s;
+  s.name = name;
+  s.B = B;
+  s.T = T;
+  s.Hq = Hq;
+  s.Hv = Hv;
+  s.K = K;
+  s.V = V;
+  s.dt = dt;
+  return s;
+}
+
+// Varlen: one row of cu.back() tokens, split into sequences at cu.
+inline Spec varlen(const std::string& name, std::vector<int64_t> cu, int64_t Hq, int64_t Hv,
+                   int64_t K, int64_t V, fgdn_dtype dt = FGDN_FLOAT32) {
+  Spec s = dense(name, 1, cu.back(), Hq, Hv, K, V, dt);
+  s.cu = std::move(cu);
+  return s;
+}
+
+// The CUDA tests' shapes: K = V = D, bf16 q, k, v unless dt says.
+inline Spec dense_d(const std::string& name, int64_t B, int64_t T, int64_t Hq, int64_t Hv,
+                    int64_t D, fgdn_dtype dt = FGDN_BFLOAT16) {
+  return dense(name, B, T, Hq, Hv, D, D, dt);
+}
+inline Spec varlen_d(const std::string& name, std::vector<int64_t> cu, int64_t Hq, int64_t Hv,
+                     int64_t D, fgdn_dtype dt = FGDN_BFLOAT16) {
+  return varlen(name, std::move(cu), Hq, Hv, D, D, dt);
+}
+
+// With an initial state.
+inline Spec with_h0(Spec s) {
+  s.h0 = true;
+  return s;
+}
+// With an initial state and a final-state gradient.
+inline Spec with_states(Spec s) {
+  s.h0 = true;
+  s.dht = true;
+  return s;
+}
 
 // Everything one test call needs: the oracle's problem and (rounded) inputs, and host buffers
 // in the library's layouts.
@@ -431,5 +524,52 @@ struct Case {
     return a;
   }
 };
+
+// ---- state pools (state_indices) ----------------------------------------------------------
+
+// After a forward with state_indices: the final states it wrote into the pool c.h0 (row idx[n]
+// of every sequence n with idx[n] >= 0) as `got`, the oracle's final states `ht` of the same
+// sequences as `want`, and which pool rows were written.
+struct PoolFinalStates {
+  std::vector<double> got, want;
+  std::vector<char> written;  // per pool row
+};
+inline PoolFinalStates pool_final_states(const Case& c, const std::vector<double>& ht) {
+  const Spec& s = c.s;
+  const int64_t HKV = s.Hv * s.K * s.V;
+  const std::vector<double> pool = state_dense(c.h0, c.P, s.Hv, s.K, s.V, s.v_first);
+  PoolFinalStates p;
+  p.written.assign(static_cast<size_t>(c.P), 0);
+  for (int64_t n = 0; n < s.N(); ++n) {
+    const int64_t r = c.idx[static_cast<size_t>(n)];
+    if (r < 0) continue;
+    p.written[static_cast<size_t>(r)] = 1;
+    p.got.insert(p.got.end(), pool.begin() + r * HKV, pool.begin() + (r + 1) * HKV);
+    p.want.insert(p.want.end(), ht.begin() + n * HKV, ht.begin() + (n + 1) * HKV);
+  }
+  return p;
+}
+
+// With state_indices, a sequence with a negative index has no initial state: its dh0 (in the
+// oracle's gradients rg) is zero.
+inline void zero_dh0_of_unindexed(const Case& c, reference::Grads& rg) {
+  if (!(c.s.h0 && c.s.state_indices)) return;
+  const int64_t HKV = c.s.Hv * c.s.K * c.s.V;
+  for (int64_t n = 0; n < c.s.N(); ++n)
+    if (c.idx[static_cast<size_t>(n)] < 0)
+      std::fill(rg.dh0.begin() + n * HKV, rg.dh0.begin() + (n + 1) * HKV, 0.0);
+}
+
+// Every pool row of c.h0 not written is bitwise as it was `before` the call.
+inline void expect_unwritten_rows_unchanged(const Case& c, const std::vector<char>& written,
+                                            const std::vector<unsigned char>& before) {
+  const size_t row_bytes = static_cast<size_t>(c.s.Hv * c.s.K * c.s.V) * 4;
+  for (int64_t r = 0; r < c.P; ++r) {
+    if (written[static_cast<size_t>(r)]) continue;
+    EXPECT_EQ(0, std::memcmp(c.h0.bytes.data() + r * row_bytes, before.data() + r * row_bytes,
+                             row_bytes))
+        << c.s.name << ": pool row " << r << " was modified";
+  }
+}
 
 }  // namespace flashgdn::test
