@@ -39,13 +39,9 @@ __global__ void __launch_bounds__(kThreads, 1) dh_kernel(BwdParams P) {
   const int64_t nch = ceil_div(si.len, kC);
   const int64_t lds = P.Hq * D;
   for (int64_t j = nch - 1; j >= 0; --j) {
-    const int64_t gc = chunk_slot(P.seq, n, j, si.t0);
-    const int64_t r = gc * P.Hv + h;
-    const int64_t rem = si.len - j * kC;
-    const int L = static_cast<int>(rem < kC ? rem : kC);
-    __syncthreads();
-    if (tid < kC) s_c[tid] = P.cg[r * kC + tid];
-    __syncthreads();
+    const SeqChunk ch = begin_seq_chunk(P, n, h, si, j, s_c);
+    const int64_t gc = ch.gc, r = ch.r;
+    const int L = ch.L;
     const float cL = s_c[L - 1];
     if (tid < kC) {
       s_e[tid] = tid < L ? expf(cL - s_c[tid]) : 0.f;
@@ -90,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1) dh_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-void launch_typed(const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   dh_kernel<D, TQ><<<dim3(P.N, P.Hv, D / kVs), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass");
 }
@@ -98,12 +94,7 @@ void launch_typed(const BwdParams& P, cudaStream_t s) {
 }  // namespace
 
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s) {
-  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-  if (P.D == 64) {
-    bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
-  } else {
-    bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
-  }
+  dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
 }
 
 }  // namespace flashgdn::cuda::bwd

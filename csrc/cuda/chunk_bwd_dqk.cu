@@ -15,8 +15,6 @@ namespace flashgdn::cuda::bwd {
 
 namespace {
 
-constexpr int kLd = kC + 1;
-
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
   const int64_t gc = blockIdx.x;
@@ -132,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-void launch_typed(const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   dqk_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dqk");
 }
@@ -140,12 +138,7 @@ void launch_typed(const BwdParams& P, cudaStream_t s) {
 }  // namespace
 
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s) {
-  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-  if (P.D == 64) {
-    bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
-  } else {
-    bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
-  }
+  dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -20,6 +20,7 @@ namespace flashgdn::cuda::bwd {
 
 constexpr int kC = 64;          // chunk length
 constexpr int kThreads = 256;   // threads per block of the per-chunk kernels (8 warps)
+constexpr int kLd = kC + 1;     // padded leading dimension of 64 x 64 fp32 tiles in smem
 
 struct Tensor4 {  // a strided device tensor (element strides)
   void* data;
@@ -99,10 +100,7 @@ __device__ __forceinline__ void block_gemm(const FA& fa, const FB& fb, const FE&
   for (int tile = threadIdx.x >> 5; tile < kTiles; tile += nw) {
     const int m0 = (tile / kTilesN) * 16, n0 = (tile % kTilesN) * 32;
     float acc[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) acc[a][b] = 0.f;
+    zero_acc(acc);
 #pragma unroll 1
     for (int k0 = 0; k0 < KK; k0 += 16) {
       uint32_t ahi[4], alo[4];  // NOLINT
@@ -130,6 +128,47 @@ __device__ __forceinline__ void block_gemm(const FA& fa, const FB& fb, const FE&
       fe(m0 + gq + 8, col, acc[nt][2]);
       fe(m0 + gq + 8, col + 1, acc[nt][3]);
     }
+  }
+}
+
+// ---- the sequential passes (chunk_bwd_state, chunk_bwd_dh): one chunk of a sequence --------
+struct SeqChunk {
+  int64_t gc;  // chunk slot
+  int64_t r;   // workspace row gc * Hv + h
+  int L;       // tokens in the chunk (1 .. kC)
+};
+// Chunk j of sequence n (info si) for value head h; loads its in-chunk gates c into s_c[kC]
+// between two block barriers (the first: earlier readers of s_c are done; the second: c is
+// visible to the whole block).
+__device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t n, int64_t h,
+                                                    const SeqInfo& si, int64_t j, float* s_c) {
+  const int tid = threadIdx.x;
+  SeqChunk c;
+  c.gc = chunk_slot(P.seq, n, j, si.t0);
+  c.r = c.gc * P.Hv + h;
+  const int64_t rem = si.len - j * kC;
+  c.L = static_cast<int>(rem < kC ? rem : kC);
+  __syncthreads();
+  if (tid < kC) s_c[tid] = P.cg[c.r * kC + tid];
+  __syncthreads();
+  return c;
+}
+
+// ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
+template <int D_, typename TQ_>
+struct DimType {
+  static constexpr int D = D_;
+  using TQ = TQ_;
+};
+// Calls f(DimType<D, TQ>{}) with D = P.D (64 | 128) and TQ the q/k/v type (bf16 | fp16); a
+// launcher taking DimType<D, TQ> as its first argument deduces both.
+template <class F>
+void dispatch_dim_type(const BwdParams& P, F&& f) {
+  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
+  if (P.D == 64) {
+    bf ? f(DimType<64, __nv_bfloat16>{}) : f(DimType<64, __half>{});
+  } else {
+    bf ? f(DimType<128, __nv_bfloat16>{}) : f(DimType<128, __half>{});
   }
 }
 

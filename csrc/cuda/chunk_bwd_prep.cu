@@ -55,8 +55,6 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
   }
 }
 
-constexpr int kLd = kC + 1;  // padded leading dimension of 64 x 64 fp32 tiles in smem
-
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
   const int64_t gc = blockIdx.x;
@@ -160,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-void launch_typed(const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   qk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd qk_prep");
   chunk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, 0, s>>>(P);
@@ -170,12 +168,7 @@ void launch_typed(const BwdParams& P, cudaStream_t s) {
 }  // namespace
 
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s) {
-  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-  if (P.D == 64) {
-    bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
-  } else {
-    bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
-  }
+  dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) head_sum_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-void launch_typed(const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   qk_reduce_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd qk_reduce");
 }
@@ -131,12 +131,7 @@ void launch_typed(const BwdParams& P, cudaStream_t s) {
 
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s) {
   if (P.num_chunks > 0) {
-    const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-    if (P.D == 64) {
-      bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
-    } else {
-      bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
-    }
+    dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
     gate_kernel<<<dim3(P.num_chunks, P.Hv), kC, 0, s>>>(P);
     FGDN_CHECK_LAUNCH("bwd gate");
   }

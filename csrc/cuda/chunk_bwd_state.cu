@@ -38,13 +38,9 @@ __global__ void __launch_bounds__(kThreads) state_kernel(BwdParams P) {
   const int64_t nch = ceil_div(si.len, kC);
   const int64_t lds = P.Hq * D;
   for (int64_t j = 0; j < nch; ++j) {
-    const int64_t gc = chunk_slot(P.seq, n, j, si.t0);
-    const int64_t r = gc * P.Hv + h;
-    const int64_t rem = si.len - j * kC;
-    const int L = static_cast<int>(rem < kC ? rem : kC);
-    __syncthreads();
-    if (tid < kC) s_c[tid] = P.cg[r * kC + tid];
-    __syncthreads();
+    const SeqChunk ch = begin_seq_chunk(P, n, h, si, j, s_c);
+    const int64_t gc = ch.gc, r = ch.r;
+    const int L = ch.L;
     const float cL = s_c[L - 1];
     if (tid < kC) s_e[tid] = tid < L ? expf(cL - s_c[tid]) : 0.f;
     float* hg = P.h + r * D * D;

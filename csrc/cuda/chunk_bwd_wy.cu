@@ -16,8 +16,6 @@ namespace flashgdn::cuda::bwd {
 
 namespace {
 
-constexpr int kLd = kC + 1;
-
 template <int D>
 constexpr size_t wy_smem_bytes() {
   return sizeof(float) * (3 * kC * kLd + kC * (D + 1) + 5 * kC);
@@ -168,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-void launch_typed(const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   constexpr size_t smem = wy_smem_bytes<D>();
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(wy_kernel<D, TQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
@@ -179,12 +177,7 @@ void launch_typed(const BwdParams& P, cudaStream_t s) {
 }  // namespace
 
 void launch_bwd_wy(const BwdParams& P, cudaStream_t s) {
-  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-  if (P.D == 64) {
-    bf ? launch_typed<64, __nv_bfloat16>(P, s) : launch_typed<64, __half>(P, s);
-  } else {
-    bf ? launch_typed<128, __nv_bfloat16>(P, s) : launch_typed<128, __half>(P, s);
-  }
+  dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -102,6 +102,73 @@ __device__ __forceinline__ int64_t state_off(const StateView& s, int64_t row, in
   return row * s.s0 + h * s.s1 + (v_first ? vv * s.s2 + kk * s.s3 : kk * s.s2 + vv * s.s3);
 }
 
+// ---- warp-tile products: acc (16 rows from r0 x 32 columns from c0, four 16x8 tiles) += A B ---
+// A exact, stored [m][k]; B exact, stored transposed [n][k]; k < KK.
+template <typename T, int KK>
+__device__ __forceinline__ void warp_mma_nk(float (&acc)[4][4], const T* A, int lda, int r0,
+                                            const T* Bt, int ldb, int c0) {
+#pragma unroll 2
+  for (int kk = 0; kk < KK; kk += 16) {
+    uint32_t a[4];
+    load_a_rowmajor(a, A, lda, r0, kk);
+#pragma unroll
+    for (int pj = 0; pj < 2; ++pj) {
+      uint32_t b[4];
+      load_b_nk(b, Bt, ldb, c0 + pj * 16, kk);
+      mma_16816<T>(acc[2 * pj], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * pj + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// A exact, stored [m][k]; B = Bhi + Blo, stored [k][n]; k < KK (A Bhi, then A Blo).
+template <typename T, int KK>
+__device__ __forceinline__ void warp_mma_kn_hilo(float (&acc)[4][4], const T* A, int lda, int r0,
+                                                 const T* Bhi, const T* Blo, int ldb, int c0) {
+#pragma unroll 2
+  for (int kk = 0; kk < KK; kk += 16) {
+    uint32_t a[4];
+    load_a_rowmajor(a, A, lda, r0, kk);
+#pragma unroll
+    for (int pj = 0; pj < 2; ++pj) {
+      uint32_t b[4];
+      load_b_kn(b, Bhi, ldb, c0 + pj * 16, kk);
+      mma_16816<T>(acc[2 * pj], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * pj + 1], a, b[2], b[3]);
+      load_b_kn(b, Blo, ldb, c0 + pj * 16, kk);
+      mma_16816<T>(acc[2 * pj], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * pj + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// A = Ahi + Alo, stored [m][k]; B = Bhi + Blo, stored [k][n]; k < 64, but A's columns from kend
+// on (a multiple of 16) are zero and skipped. Products hi*hi, lo*hi, hi*lo in that order.
+template <typename T>
+__device__ __forceinline__ void warp_mma_hilo_hilo(float (&acc)[4][4], const T* Ahi, const T* Alo,
+                                                   int lda, int r0, const T* Bhi, const T* Blo,
+                                                   int ldb, int c0, int kend) {
+#pragma unroll
+  for (int kk = 0; kk < 64; kk += 16) {
+    if (kk >= kend) break;
+    uint32_t ah[4], al[4];
+    load_a_rowmajor(ah, Ahi, lda, r0, kk);
+    load_a_rowmajor(al, Alo, lda, r0, kk);
+#pragma unroll
+    for (int pj = 0; pj < 2; ++pj) {
+      uint32_t bh[4], bl[4];
+      load_b_kn(bh, Bhi, ldb, c0 + pj * 16, kk);
+      load_b_kn(bl, Blo, ldb, c0 + pj * 16, kk);
+      mma_16816<T>(acc[2 * pj], ah, bh[0], bh[1]);
+      mma_16816<T>(acc[2 * pj + 1], ah, bh[2], bh[3]);
+      mma_16816<T>(acc[2 * pj], al, bh[0], bh[1]);
+      mma_16816<T>(acc[2 * pj + 1], al, bh[2], bh[3]);
+      mma_16816<T>(acc[2 * pj], ah, bl[0], bl[1]);
+      mma_16816<T>(acc[2 * pj + 1], ah, bl[2], bl[3]);
+    }
+  }
+}
+
 template <typename Tin, int KD>
 __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams p) {
   using L = Smem<KD>;
@@ -151,17 +218,22 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
 
   // ---- initial state into registers -------------------------------------------------------
   float sacc[SNT][4];
+  // f(s, kk, vv) for each state element s = sacc[j][e] of this thread, at row kk of K and
+  // column vv of V.
+  auto for_each_state = [&](auto&& f) {
+#pragma unroll
+    for (int j = 0; j < SNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f(sacc[j][e], srow0 + g8 + (e >> 1) * 8, v0 + scol0 + j * 8 + 2 * t4 + (e & 1));
+  };
   int64_t h0_row = -1;
   if (p.h0.data != nullptr) {
     h0_row = p.state_idx ? load_index(p.state_idx, p.state_idx_dtype, n) : n;
   }
-#pragma unroll
-  for (int j = 0; j < SNT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int kk = srow0 + g8 + (e >> 1) * 8, vv = v0 + scol0 + j * 8 + 2 * t4 + (e & 1);
-      sacc[j][e] = h0_row >= 0 ? p.h0.data[state_off(p.h0, h0_row, h, kk, vv, p.v_first)] : 0.f;
-    }
+  for_each_state([&](float& s, int kk, int vv) {
+    s = h0_row >= 0 ? p.h0.data[state_off(p.h0, h0_row, h, kk, vv, p.v_first)] : 0.f;
+  });
 
   int64_t ck_base = 0;
   if (p.ckpt.data != nullptr) {
@@ -214,14 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           const int kk = srow0 + g8 + e2 * 8, cc = scol0 + j * 8 + 2 * t4;
-          const float a = sacc[j][2 * e2], b = sacc[j][2 * e2 + 1];
-          Tin ah, al, bh, bl;
-          split_hi_lo(a, ah, al);
-          split_hi_lo(b, bh, bl);
-          *reinterpret_cast<uint32_t*>(Shi + kk * LDC + cc) =
-              pack2<Tin>(to_float(ah), to_float(bh));
-          *reinterpret_cast<uint32_t*>(Slo + kk * LDC + cc) =
-              pack2<Tin>(to_float(al), to_float(bl));
+          store_hi_lo2(Shi, Slo, kk * LDC + cc, sacc[j][2 * e2], sacc[j][2 * e2 + 1]);
         }
       if (p.h_chunks != nullptr) {
         const int64_t slot = chunk_slot(p.seq, n, jc, si.t0);
@@ -242,22 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
     {
       float acc[4][4];
       // G = K K^T
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll 2
-      for (int kk = 0; kk < KD; kk += 16) {
-        uint32_t a[4];
-        load_a_rowmajor(a, Ks, LDK, r0, kk);
-#pragma unroll
-        for (int pj = 0; pj < 2; ++pj) {
-          uint32_t b[4];
-          load_b_nk(b, Ks, LDK, c0 + pj * 16, kk);
-          mma_16816<Tin>(acc[2 * pj], a, b[0], b[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], a, b[2], b[3]);
-        }
-      }
+      zero_acc(acc);
+      warp_mma_nk<Tin, KD>(acc, Ks, LDK, r0, Ks, LDK, c0);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -267,23 +318,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
               i > c ? bt[i] * rks[i] * rks[c] * acc[j][e] * __expf(gc[i] - gc[c]) : 0.f;
         }
       // P = scale * lower(Q K^T (.) D)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+      zero_acc(acc);
       if (p.o != nullptr) {
-#pragma unroll 2
-        for (int kk = 0; kk < KD; kk += 16) {
-          uint32_t a[4];
-          load_a_rowmajor(a, Qs, LDK, r0, kk);
-#pragma unroll
-          for (int pj = 0; pj < 2; ++pj) {
-            uint32_t b[4];
-            load_b_nk(b, Ks, LDK, c0 + pj * 16, kk);
-            mma_16816<Tin>(acc[2 * pj], a, b[0], b[1]);
-            mma_16816<Tin>(acc[2 * pj + 1], a, b[2], b[3]);
-          }
-        }
+        warp_mma_nk<Tin, KD>(acc, Qs, LDK, r0, Ks, LDK, c0);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -295,33 +332,12 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
               x[u] = c + u <= i ? p.scale * rqs[i] * rks[c + u] * acc[j][2 * e2 + u] *
                                       __expf(gc[i] - gc[c + u])
                                 : 0.f;
-            Tin h0, l0, h1, l1;
-            split_hi_lo(x[0], h0, l0);
-            split_hi_lo(x[1], h1, l1);
-            *reinterpret_cast<uint32_t*>(Phi + i * LDC + c) = pack2<Tin>(to_float(h0), to_float(h1));
-            *reinterpret_cast<uint32_t*>(Plo + i * LDC + c) = pack2<Tin>(to_float(l0), to_float(l1));
+            store_hi_lo2(Phi, Plo, i * LDC + c, x[0], x[1]);
           }
       }
       // X = K S; Y = beta (V - e^c rk X)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll 2
-      for (int kk = 0; kk < KD; kk += 16) {
-        uint32_t a[4];
-        load_a_rowmajor(a, Ks, LDK, r0, kk);
-#pragma unroll
-        for (int pj = 0; pj < 2; ++pj) {
-          uint32_t b[4];
-          load_b_kn(b, Shi, LDC, c0 + pj * 16, kk);
-          mma_16816<Tin>(acc[2 * pj], a, b[0], b[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], a, b[2], b[3]);
-          load_b_kn(b, Slo, LDC, c0 + pj * 16, kk);
-          mma_16816<Tin>(acc[2 * pj], a, b[0], b[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], a, b[2], b[3]);
-        }
-      }
+      zero_acc(acc);
+      warp_mma_kn_hilo<Tin, KD>(acc, Ks, LDK, r0, Shi, Slo, LDC, c0);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -330,11 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
           const float f = eg[i] * rks[i];
           const float y0 = bt[i] * (to_float(Vs[i * LDC + c]) - f * acc[j][2 * e2]);
           const float y1 = bt[i] * (to_float(Vs[i * LDC + c + 1]) - f * acc[j][2 * e2 + 1]);
-          Tin h0, l0, h1, l1;
-          split_hi_lo(y0, h0, l0);
-          split_hi_lo(y1, h1, l1);
-          *reinterpret_cast<uint32_t*>(Yhi + i * LDC + c) = pack2<Tin>(to_float(h0), to_float(h1));
-          *reinterpret_cast<uint32_t*>(Ylo + i * LDC + c) = pack2<Tin>(to_float(l0), to_float(l1));
+          store_hi_lo2(Yhi, Ylo, i * LDC + c, y0, y1);
         }
     }
     __syncthreads();
@@ -380,44 +392,17 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
     // ---- D: Vn = T Y; Vd = e^(c_last - c) rk Vn ---------------------------------------------
     {
       float acc[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < 64; kk += 16) {
-        uint32_t ah[4], al[4];
-        load_a_rowmajor(ah, Thi, LDC, r0, kk);
-        load_a_rowmajor(al, Tlo, LDC, r0, kk);
-#pragma unroll
-        for (int pj = 0; pj < 2; ++pj) {
-          uint32_t bh[4], bl[4];
-          load_b_kn(bh, Yhi, LDC, c0 + pj * 16, kk);
-          load_b_kn(bl, Ylo, LDC, c0 + pj * 16, kk);
-          mma_16816<Tin>(acc[2 * pj], ah, bh[0], bh[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], ah, bh[2], bh[3]);
-          mma_16816<Tin>(acc[2 * pj], al, bh[0], bh[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], al, bh[2], bh[3]);
-          mma_16816<Tin>(acc[2 * pj], ah, bl[0], bl[1]);
-          mma_16816<Tin>(acc[2 * pj + 1], ah, bl[2], bl[3]);
-        }
-      }
+      zero_acc(acc);
+      warp_mma_hilo_hilo(acc, Thi, Tlo, LDC, r0, Yhi, Ylo, LDC, c0, 64);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           const int i = r0 + g8 + e2 * 8, c = c0 + j * 8 + 2 * t4;
           const float a = acc[j][2 * e2], b = acc[j][2 * e2 + 1];
-          Tin h0, l0, h1, l1;
-          split_hi_lo(a, h0, l0);
-          split_hi_lo(b, h1, l1);
-          *reinterpret_cast<uint32_t*>(Vnhi + i * LDC + c) = pack2<Tin>(to_float(h0), to_float(h1));
-          *reinterpret_cast<uint32_t*>(Vnlo + i * LDC + c) = pack2<Tin>(to_float(l0), to_float(l1));
+          store_hi_lo2(Vnhi, Vnlo, i * LDC + c, a, b);
           const float f = egl[i] * rks[i];
-          split_hi_lo(f * a, h0, l0);
-          split_hi_lo(f * b, h1, l1);
-          *reinterpret_cast<uint32_t*>(Vdhi + i * LDC + c) = pack2<Tin>(to_float(h0), to_float(h1));
-          *reinterpret_cast<uint32_t*>(Vdlo + i * LDC + c) = pack2<Tin>(to_float(l0), to_float(l1));
+          store_hi_lo2(Vdhi, Vdlo, i * LDC + c, f * a, f * b);
         }
     }
     __syncthreads();
@@ -426,26 +411,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
     if (p.o != nullptr) {
       // O = scale e^c rq (Q S)   (S hi/lo and Q are still in smem)
       float oacc[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) oacc[j][e] = 0.f;
+      zero_acc(oacc);
       {
-#pragma unroll 2
-        for (int kk = 0; kk < KD; kk += 16) {
-          uint32_t a[4];
-          load_a_rowmajor(a, Qs, LDK, r0, kk);
-#pragma unroll
-          for (int pj = 0; pj < 2; ++pj) {
-            uint32_t b[4];
-            load_b_kn(b, Shi, LDC, c0 + pj * 16, kk);
-            mma_16816<Tin>(oacc[2 * pj], a, b[0], b[1]);
-            mma_16816<Tin>(oacc[2 * pj + 1], a, b[2], b[3]);
-            load_b_kn(b, Slo, LDC, c0 + pj * 16, kk);
-            mma_16816<Tin>(oacc[2 * pj], a, b[0], b[1]);
-            mma_16816<Tin>(oacc[2 * pj + 1], a, b[2], b[3]);
-          }
-        }
+        warp_mma_kn_hilo<Tin, KD>(oacc, Qs, LDK, r0, Shi, Slo, LDC, c0);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -454,25 +422,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
             oacc[j][e] *= p.scale * rqs[i] * eg[i];
           }
       }
-#pragma unroll
-      for (int kk = 0; kk < 64; kk += 16) {
-        if (kk > r0 + 15) break;  // P is lower triangular: columns past the row tile are zero
-        uint32_t ah[4], al[4];
-        load_a_rowmajor(ah, Phi, LDC, r0, kk);
-        load_a_rowmajor(al, Plo, LDC, r0, kk);
-#pragma unroll
-        for (int pj = 0; pj < 2; ++pj) {
-          uint32_t bh[4], bl[4];
-          load_b_kn(bh, Vnhi, LDC, c0 + pj * 16, kk);
-          load_b_kn(bl, Vnlo, LDC, c0 + pj * 16, kk);
-          mma_16816<Tin>(oacc[2 * pj], ah, bh[0], bh[1]);
-          mma_16816<Tin>(oacc[2 * pj + 1], ah, bh[2], bh[3]);
-          mma_16816<Tin>(oacc[2 * pj], al, bh[0], bh[1]);
-          mma_16816<Tin>(oacc[2 * pj + 1], al, bh[2], bh[3]);
-          mma_16816<Tin>(oacc[2 * pj], ah, bl[0], bl[1]);
-          mma_16816<Tin>(oacc[2 * pj + 1], ah, bl[2], bl[3]);
-        }
-      }
+      // P is lower triangular: its columns past the row tile (from r0 + 16 on) are zero.
+      warp_mma_hilo_hilo(oacc, Phi, Plo, LDC, r0, Vnhi, Vnlo, LDC, c0, r0 + 16);
       Tin* ob = static_cast<Tin*>(p.o) + si.b * p.os0 + h * p.os2 + v0;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -512,13 +463,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
         const int64_t done = (jc + 1) * kChunk;
         if (done <= si.len && done % p.every == 0) {
           const int64_t row = ck_base + done / p.every - 1;
-#pragma unroll
-          for (int j = 0; j < SNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int kk = srow0 + g8 + (e >> 1) * 8, vv = v0 + scol0 + j * 8 + 2 * t4 + (e & 1);
-              p.ckpt.data[state_off(p.ckpt, row, h, kk, vv, p.v_first)] = sacc[j][e];
-            }
+          for_each_state([&](float& s, int kk, int vv) {
+            p.ckpt.data[state_off(p.ckpt, row, h, kk, vv, p.v_first)] = s;
+          });
         }
       }
     }
@@ -537,13 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
       row = n;
     }
     if (row >= 0 && dst->data != nullptr) {
-#pragma unroll
-      for (int j = 0; j < SNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kk = srow0 + g8 + (e >> 1) * 8, vv = v0 + scol0 + j * 8 + 2 * t4 + (e & 1);
-          dst->data[state_off(*dst, row, h, kk, vv, p.v_first)] = sacc[j][e];
-        }
+      for_each_state([&](float& s, int kk, int vv) {
+        dst->data[state_off(*dst, row, h, kk, vv, p.v_first)] = s;
+      });
     }
   }
 }

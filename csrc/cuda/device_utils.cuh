@@ -16,7 +16,8 @@
 //    Accumulator layout (per 16x8 tile): lane = 4*g + t; c[0], c[1] at (row g, cols 2t, 2t+1),
 //    c[2], c[3] at (row g + 8, cols 2t, 2t+1).
 //  - split_hi_lo: x ~= hi + lo with both in the operand type, for near-fp32 products on the
-//    tensor cores (two or three MMAs instead of one).
+//    tensor cores (two or three MMAs instead of one); store_hi_lo2 splits and stores a pair.
+//  - zero_acc: clears an array of MMA accumulator tiles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -102,6 +103,17 @@ __device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
   lo = from_float<T>(x - to_float(hi));
 }
 
+// Splits a and b (adjacent columns) into hi + lo parts and stores each pair as one 32-bit word:
+// (hi(a), hi(b)) at hi + off, (lo(a), lo(b)) at lo + off (off: element offset, even).
+template <typename T>
+__device__ __forceinline__ void store_hi_lo2(T* hi, T* lo, int off, float a, float b) {
+  T ah, al, bh, bl;
+  split_hi_lo(a, ah, al);
+  split_hi_lo(b, bh, bl);
+  *reinterpret_cast<uint32_t*>(hi + off) = pack2<T>(to_float(ah), to_float(bh));
+  *reinterpret_cast<uint32_t*>(lo + off) = pack2<T>(to_float(al), to_float(bl));
+}
+
 // ---- math ----------------------------------------------------------------------------------
 // softplus(x) = log1p(exp(x)) for x <= 20, else x (matches the CPU backend and the oracle).
 __device__ __forceinline__ float softplus_f(float x) { return x <= 20.f ? log1pf(expf(x)) : x; }
@@ -149,6 +161,15 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Zeroes N accumulator tiles (16 x 8 each, 4 floats a thread).
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
