@@ -10,6 +10,13 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+if [ "${1:-}" != "--cpp-only" ]; then
+  # The venv and the extension build need venv/ensurepip and the Python headers.
+  PY_CHECK="${FLASHGDN_PYTHON:-python3}"
+  command -v "$PY_CHECK" >/dev/null || need_apt+=(python3)
+  "$PY_CHECK" -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
+  "$PY_CHECK" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" 2>/dev/null || need_apt+=(python3-dev)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} from Debian's packages" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
