@@ -15,7 +15,8 @@
 //   A  load Q, K, V tiles (zero past the chunk end), gates, beta, norms; publish S as hi/lo
 //   B  G = K K^T -> A (fp32, gated, strict lower); P = lower(Q K^T (.) D) * scale;
 //      X = K S -> Y = beta (V - e^c X)
-//   C  T = (I + A)^-1 by forward substitution (64 threads, one column each, fp32)
+//   C  T = (I + A)^-1: diagonal 16x16 inverses (4 warps), then block forward substitution
+//      (4 lanes per column, all 256 threads), fp32
 //   D  Vn = T Y; Vd = e^(c_last - c) Vn
 //   E  O = scale e^c (Q S) + P Vn -> o;   F  S = e^c_last S + K^T Vd; checkpoints
 #include "cuda/chunk_fwd.cuh"
@@ -91,9 +92,13 @@ struct Smem {
   static constexpr size_t kVdhi = kVnlo + kTile;
   static constexpr size_t kVdlo = kVdhi + kTile;
   static constexpr size_t kVec = kVdlo + kTile;  // 6 x 64 floats
-  static constexpr size_t kBytes = kVec + 6 * 64 * 4;
+  static constexpr int LDD = 16 + 4;              // fp32 diagonal 16x16 inverses, row-major
+  static constexpr size_t kTd = kVec + 6 * 64 * 4;
+  static constexpr size_t kX = kTd + 64 * LDD * 4;   // fp32 T, [64][LDA], for the solve
+  static constexpr size_t kBytes = kX + 64 * LDA * 4;
   static_assert(kBytes <= 227 * 1024, "shared memory plan exceeds the sm_90 limit");
-  static_assert((LDK * 2) % 16 == 0 && (LDC * 2) % 16 == 0 && (LDA * 4) % 16 == 0,
+  static_assert((LDK * 2) % 16 == 0 && (LDC * 2) % 16 == 0 && (LDA * 4) % 16 == 0 &&
+                    (LDD * 4) % 16 == 0 && kTd % 16 == 0,
                 "rows must stay 16-byte aligned for ldmatrix / vector access");
 };
 
@@ -172,7 +177,7 @@ __device__ __forceinline__ void warp_mma_hilo_hilo(float (&acc)[4][4], const T* 
 template <typename Tin, int KD>
 __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams p) {
   using L = Smem<KD>;
-  constexpr int LDK = L::LDK, LDC = L::LDC, LDA = L::LDA;
+  constexpr int LDK = L::LDK, LDC = L::LDC, LDA = L::LDA, LDD = L::LDD;
   // State tiling: warp -> rows srow0 .. +15 of K, columns scol0 .. + SCOLS - 1 of the slice.
   constexpr int SMT = KD / 16;            // 16-row tiles of S
   constexpr int SWC = kWarps / SMT;       // warps per row tile
@@ -203,6 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
   float* rks = rqs + 64;                                 // k norm factor (0 past the end)
   float* eg = rks + 64;                                  // exp(c_i)
   float* egl = eg + 64;                                  // exp(c_last - c_i)
+  float* Td = reinterpret_cast<float*>(smem + L::kTd);   // T_bb, b = 0..3, [64][LDD]
+  float* Xf = reinterpret_cast<float*>(smem + L::kX);    // fp32 T, [64][LDA]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
@@ -248,35 +255,62 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
 
     // ---- A: loads ------------------------------------------------------------------------
     {
+      // Every global load of the step is issued before any shared store: one round trip.
       constexpr int VPR = KD / 8;  // 16-byte vectors per row
+      constexpr int QIT = 64 * VPR / kThreads;
+      constexpr int VIT = 64 * (kBV / 8) / kThreads;
+      static_assert(QIT * kThreads == 64 * VPR && VIT * kThreads == 64 * (kBV / 8), "loads");
       const Tin* qb = static_cast<const Tin*>(p.q) + si.b * p.qs0 + hq * p.qs2;
       const Tin* kb = static_cast<const Tin*>(p.k) + si.b * p.ks0 + hq * p.ks2;
-      for (int idx = tid; idx < 64 * VPR; idx += kThreads) {
-        const int row = idx / VPR, c8 = (idx % VPR) * 8;
-        uint4 qv = make_uint4(0, 0, 0, 0), kv = make_uint4(0, 0, 0, 0);
-        if (row < len) {
-          qv = *reinterpret_cast<const uint4*>(qb + (t0 + row) * p.qs1 + c8);
-          kv = *reinterpret_cast<const uint4*>(kb + (t0 + row) * p.ks1 + c8);
-        }
-        *reinterpret_cast<uint4*>(Qs + row * LDK + c8) = qv;
-        *reinterpret_cast<uint4*>(Ks + row * LDK + c8) = kv;
-      }
       const Tin* vb = static_cast<const Tin*>(p.v) + si.b * p.vs0 + h * p.vs2 + v0;
-      for (int idx = tid; idx < 64 * (kBV / 8); idx += kThreads) {
-        const int row = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
-        uint4 vv = make_uint4(0, 0, 0, 0);
-        if (row < len) vv = *reinterpret_cast<const uint4*>(vb + (t0 + row) * p.vs1 + c8);
-        *reinterpret_cast<uint4*>(Vs + row * LDC + c8) = vv;
+      uint4 qv[QIT], kv[QIT], vv[VIT];
+#pragma unroll
+      for (int u = 0; u < QIT; ++u) {
+        const int idx = tid + u * kThreads;
+        const int row = idx / VPR, c8 = (idx % VPR) * 8;
+        qv[u] = make_uint4(0, 0, 0, 0);
+        kv[u] = make_uint4(0, 0, 0, 0);
+        if (row < len) {
+          qv[u] = *reinterpret_cast<const uint4*>(qb + (t0 + row) * p.qs1 + c8);
+          kv[u] = *reinterpret_cast<const uint4*>(kb + (t0 + row) * p.ks1 + c8);
+        }
       }
+#pragma unroll
+      for (int u = 0; u < VIT; ++u) {
+        const int idx = tid + u * kThreads;
+        const int row = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
+        vv[u] = make_uint4(0, 0, 0, 0);
+        if (row < len) vv[u] = *reinterpret_cast<const uint4*>(vb + (t0 + row) * p.vs1 + c8);
+      }
+      float ci = 0.f, cl = 0.f, bti = 0.f, rqi = 1.f, rki = 1.f;
       if (tid < 64) {
         const int i = tid;
         const int ii = i < len ? i : len - 1;
-        const float ci = p.gcum[h * p.NT + f0 + ii];
-        const float cl = p.gcum[h * p.NT + f0 + len - 1];
+        ci = p.gcum[h * p.NT + f0 + ii];
+        cl = p.gcum[h * p.NT + f0 + len - 1];
+        bti = i < len ? p.beta[h * p.NT + f0 + i] : 0.f;
+        if (p.rq) rqi = i < len ? p.rq[hq * p.NT + f0 + i] : 0.f;
+        if (p.rk) rki = i < len ? p.rk[hq * p.NT + f0 + i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < QIT; ++u) {
+        const int idx = tid + u * kThreads;
+        const int row = idx / VPR, c8 = (idx % VPR) * 8;
+        *reinterpret_cast<uint4*>(Qs + row * LDK + c8) = qv[u];
+        *reinterpret_cast<uint4*>(Ks + row * LDK + c8) = kv[u];
+      }
+#pragma unroll
+      for (int u = 0; u < VIT; ++u) {
+        const int idx = tid + u * kThreads;
+        const int row = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
+        *reinterpret_cast<uint4*>(Vs + row * LDC + c8) = vv[u];
+      }
+      if (tid < 64) {
+        const int i = tid;
         gc[i] = ci;
-        bt[i] = i < len ? p.beta[h * p.NT + f0 + i] : 0.f;
-        rqs[i] = p.rq ? (i < len ? p.rq[hq * p.NT + f0 + i] : 0.f) : 1.f;
-        rks[i] = p.rk ? (i < len ? p.rk[hq * p.NT + f0 + i] : 0.f) : 1.f;
+        bt[i] = bti;
+        rqs[i] = rqi;
+        rks[i] = rki;
         eg[i] = __expf(ci);
         egl[i] = __expf(cl - ci);
       }
@@ -351,40 +385,116 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_fwd_kernel(const FwdParams 
     }
     __syncthreads();
 
-    // ---- C: T = (I + A)^-1, one column per thread -------------------------------------------
-    if (tid < 64) {
-      const int m = tid;
-      float x[64];
+    // ---- C: T = (I + A)^-1, blocked (16 x 16 blocks), fp32 ---------------------------------
+    // C1: the four diagonal inverses T_dd = (I + A_dd)^-1, warp d (d < 4), lane = column (16
+    // lanes), forward substitution without barriers; T_dd row-major into Td.
+    if (warp < 4 && lane < 16) {
+      const int d = warp, c = lane;
+      const float* Ad = Af + (16 * d) * LDA + 16 * d;
+      float x[16];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) x[i] = i == m ? 1.f : 0.f;
+      for (int i = 0; i < 16; ++i) x[i] = i == c ? 1.f : 0.f;
 #pragma unroll
-      for (int i = 1; i < 64; ++i) {
+      for (int i = 1; i < 16; ++i) {
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma unroll
-        for (int jj = 0; jj < i; jj += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(Af + i * LDA + jj);
+        for (int jj = 0; jj < i; jj += 4) {  // A_dd[i][j >= i] is zero
+          const float4 a = *reinterpret_cast<const float4*>(Ad + i * LDA + jj);
           s0 = fmaf(a.x, x[jj], s0);
           s1 = fmaf(a.y, x[jj + 1], s1);
           s2 = fmaf(a.z, x[jj + 2], s2);
           s3 = fmaf(a.w, x[jj + 3], s3);
         }
         const float xi = -((s0 + s1) + (s2 + s3));
-        x[i] = i > m ? xi : x[i];
-        // Keeps the compiler from hoisting many rows' loads ahead (register pressure).
-        asm volatile("" ::: "memory");
+        x[i] = i > c ? xi : x[i];
       }
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        Tin hi, lo;
-        split_hi_lo(x[i], hi, lo);
-        Thi[i * LDC + m] = hi;
-        Tlo[i * LDC + m] = lo;
-      }
+      for (int i = 0; i < 16; ++i) Td[(16 * d + i) * LDD + c] = x[i];
+    }
+    __syncthreads();
+    // C2: column m of T by a quad of lanes (warp w: columns 8w .. 8w + 7, so the column's block
+    // bm = w / 2 is warp-uniform); lane q of the quad owns rows 16 b + q + 4 r (r < 4):
+    //   x_b = 0 (b < bm), T_bb e_(m - 16 bm) (b = bm), -T_bb sum_{k<b} A_bk x_k (b > bm).
+    // The full 16-vectors of a block are exchanged through Xf (quad lanes, __syncwarp).
+    {
+      const int m = tid >> 2, q = tid & 3;
+      const int bm = warp >> 1, cl = m & 15;
+      const int qbase = lane & ~3;
+      float* tc = nullptr;
       if (p.T_chunks != nullptr && blockIdx.z == 0) {
         const int64_t slot = chunk_slot(p.seq, n, jc, si.t0);
-        float* tc = p.T_chunks + (slot * p.Hv + h) * 64 * 64;
+        tc = p.T_chunks + (slot * p.Hv + h) * 64 * 64;
+      }
+      float xo[4][4];   // own rows
 #pragma unroll
-        for (int i = 0; i < 64; ++i) tc[i * 64 + m] = x[i];
+      for (int b = 0; b < 4; ++b) {
+        if (b < bm) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) xo[b][r] = 0.f;
+        } else if (b == bm) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) xo[b][r] = Td[(16 * b + q + 4 * r) * LDD + cl];
+        } else {
+          float s0[4], s1[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s0[r] = s1[r] = 0.f;
+#pragma unroll
+          for (int k = 0; k < b; ++k) {
+            if (k < bm) continue;  // x_k = 0 (warp-uniform)
+            float xk[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) xk[j] = Xf[(16 * k + j) * LDA + m];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float* Ar = Af + (16 * b + q + 4 * r) * LDA + 16 * k;
+#pragma unroll
+              for (int j = 0; j < 16; j += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(Ar + j);
+                s0[r] = fmaf(a.x, xk[j], s0[r]);
+                s1[r] = fmaf(a.y, xk[j + 1], s1[r]);
+                s0[r] = fmaf(a.z, xk[j + 2], s0[r]);
+                s1[r] = fmaf(a.w, xk[j + 3], s1[r]);
+              }
+            }
+          }
+          float y[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) y[r] = s0[r] + s1[r];
+          float yf[16];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq)
+              yf[qq + 4 * r] = __shfl_sync(0xffffffffu, y[r], qbase + qq);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float* Tr = Td + (16 * b + q + 4 * r) * LDD;
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; j += 4) {
+              const float4 t = *reinterpret_cast<const float4*>(Tr + j);
+              s0 = fmaf(t.x, yf[j], s0);
+              s1 = fmaf(t.y, yf[j + 1], s1);
+              s0 = fmaf(t.z, yf[j + 2], s0);
+              s1 = fmaf(t.w, yf[j + 3], s1);
+            }
+            xo[b][r] = -(s0 + s1);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 16 * b + q + 4 * r;
+          Tin hi, lo;
+          split_hi_lo(xo[b][r], hi, lo);
+          Thi[i * LDC + m] = hi;
+          Tlo[i * LDC + m] = lo;
+          if (tc != nullptr) tc[i * 64 + m] = xo[b][r];
+        }
+        if (b < 3) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) Xf[(16 * b + q + 4 * r) * LDA + m] = xo[b][r];
+          __syncwarp();
+        }
       }
     }
     __syncthreads();
