@@ -4,6 +4,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -161,6 +162,12 @@ std::vector<int64_t> read_indices(const fgdn_tensor& t, void* stream) {
   return out;
 }
 
+// The last two extents of every state tensor: [K, V], or [V, K] with state_v_first.
+std::pair<Dim, Dim> state_dims(const Problem& p) {
+  if (p.state_v_first) return {Dim{p.V, "V"}, Dim{p.K, "K"}};
+  return {Dim{p.K, "K"}, Dim{p.V, "V"}};
+}
+
 // The part shared by forward and backward: the inputs.
 Problem validate_inputs(Checker& c, const fgdn_inputs& in, void* stream) {
   Problem p;
@@ -270,8 +277,7 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, void* stream) {
 
   // States: [N, Hv, K, V], or [N, Hv, V, K] with state_v_first.
   p.state_v_first = in.state_v_first != 0;
-  const Dim sd2 = p.state_v_first ? Dim{p.V, "V"} : Dim{p.K, "K"};
-  const Dim sd3 = p.state_v_first ? Dim{p.K, "K"} : Dim{p.V, "V"};
+  const auto [sd2, sd3] = state_dims(p);
   p.has_state_indices = in.state_indices.data != nullptr;
   if (p.has_state_indices) {
     c.tensor("state_indices", in.state_indices, {{p.N, "N"}}, kIndexDtypes);
@@ -331,8 +337,7 @@ Problem validate_forward(const fgdn_fwd_args* a, void* stream) {
   Checker c("fgdn_forward");
   if (a == nullptr) throw InvalidArgument("fgdn_forward: argument 'args': expected a pointer, got NULL");
   Problem p = validate_inputs(c, a->in, stream);
-  const Dim sd2 = p.state_v_first ? Dim{p.V, "V"} : Dim{p.K, "K"};
-  const Dim sd3 = p.state_v_first ? Dim{p.K, "K"} : Dim{p.V, "V"};
+  const auto [sd2, sd3] = state_dims(p);
 
   c.tensor("o", a->o, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}, {p.V, "V"}}, {p.qkv_dtype});
 
@@ -368,8 +373,7 @@ Problem validate_backward(const fgdn_bwd_args* a, void* stream) {
   Checker c("fgdn_backward");
   if (a == nullptr) throw InvalidArgument("fgdn_backward: argument 'args': expected a pointer, got NULL");
   Problem p = validate_inputs(c, a->in, stream);
-  const Dim sd2 = p.state_v_first ? Dim{p.V, "V"} : Dim{p.K, "K"};
-  const Dim sd3 = p.state_v_first ? Dim{p.K, "K"} : Dim{p.V, "V"};
+  const auto [sd2, sd3] = state_dims(p);
 
   c.tensor("d_o", a->d_o, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}, {p.V, "V"}}, {p.qkv_dtype});
   c.optional_tensor("d_final_state", a->d_final_state, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3},
