@@ -376,6 +376,22 @@ uint64_t workspace_size(const char* name, nb::kwargs kwargs, Args (*parse)(Kwarg
   return static_cast<uint64_t>(bytes);
 }
 
+// forward / backward: parse the call's arguments and launch parameters, run without the GIL.
+template <class Args>
+void launch(const char* name, nb::kwargs kwargs, Args (*parse)(Kwargs&),
+            fgdn_status (*run)(const Args*, void*, size_t, void*)) {
+  Kwargs kw(name, std::move(kwargs));
+  const Args a = parse(kw);
+  const Launch l = parse_launch(kw);
+  kw.finish();
+  fgdn_status s;
+  {
+    nb::gil_scoped_release release;
+    s = run(&a, l.workspace, l.workspace_bytes, l.stream);
+  }
+  check(s);
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -412,18 +428,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "forward",
-      [](nb::kwargs kwargs) {
-        Kwargs kw("forward", std::move(kwargs));
-        fgdn_fwd_args a = parse_fwd(kw);
-        Launch l = parse_launch(kw);
-        kw.finish();
-        fgdn_status s;
-        {
-          nb::gil_scoped_release release;
-          s = fgdn_forward(&a, l.workspace, l.workspace_bytes, l.stream);
-        }
-        check(s);
-      },
+      [](nb::kwargs kwargs) { launch("forward", std::move(kwargs), parse_fwd, fgdn_forward); },
       "forward(q=, k=, v=, g=, beta=, o=, [A_log=, dt_bias=, cu_seqlens=, cu_seqlens_host=,\n"
       "        initial_state=, state_indices=, scale=, use_qk_l2norm_in_kernel=, gate_in_kernel=,\n"
       "        state_v_first=, output_final_state=, checkpoint_every=, final_state=, checkpoints=,\n"
@@ -431,18 +436,7 @@ NB_MODULE(_C, m) {
 
   m.def(
       "backward",
-      [](nb::kwargs kwargs) {
-        Kwargs kw("backward", std::move(kwargs));
-        fgdn_bwd_args a = parse_bwd(kw);
-        Launch l = parse_launch(kw);
-        kw.finish();
-        fgdn_status s;
-        {
-          nb::gil_scoped_release release;
-          s = fgdn_backward(&a, l.workspace, l.workspace_bytes, l.stream);
-        }
-        check(s);
-      },
+      [](nb::kwargs kwargs) { launch("backward", std::move(kwargs), parse_bwd, fgdn_backward); },
       "backward(<inputs as forward>, d_o=, d_final_state=, dq=, dk=, dv=, dg=, dbeta=, dA_log=,\n"
       "         ddt_bias=, dh0=, workspace=, workspace_bytes=, stream=): fgdn_backward.");
 
