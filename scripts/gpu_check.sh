@@ -12,6 +12,8 @@ OUT=${OUT:-/tmp/flashgdn-gpu}
 mkdir -p "$OUT"
 STEPS=${1:-build,ctest,pytest,sanitize,time}
 BUILD=${FLASHGDN_BUILD:-build-gpu}
+# A carried build keeps the RUNPATH of the machine that built it: find libflashgdn.so here.
+export LD_LIBRARY_PATH=$PWD/$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 PY=${PYTHON:-python3}
 declare -a SUMMARY
 note() { SUMMARY+=("| $1 | $2 |"); }

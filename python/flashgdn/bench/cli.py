@@ -46,6 +46,10 @@ def _parse(argv):
     p.add_argument("--check-only", action="store_true",
                    help="only the accuracy check (one small call per contender) on the first selected cell's heads")
     p.add_argument("--list", action="store_true", help="print the selected cells and a time estimate; no GPU")
+    p.add_argument("--prewarm", type=int, default=-1, metavar="N",
+                   help="compile the peers' kernels for the selection in N parallel processes before timing "
+                        "(default: min(12, CPUs); 0: off, each first call compiles in the timed process)")
+    p.add_argument("--workers", type=int, default=None, help="with the prewarm command: processes (as --prewarm)")
     return p.parse_args(argv)
 
 
@@ -204,7 +208,11 @@ def main(argv=None) -> int:
         argv = sys.argv[1:]
     if argv and argv[0] == "report":
         return report.main(argv[1:])
-    a = _parse(argv)
+    if argv and argv[0] == "prewarm-task":
+        from .prewarm import task_main
+        return task_main(argv[1])
+    standalone_prewarm = bool(argv) and argv[0] == "prewarm"
+    a = _parse(argv[1:] if standalone_prewarm else argv)
     cells = select_cells(a)
     if a.list:
         for c in cells:
@@ -244,8 +252,30 @@ def main(argv=None) -> int:
         except Exception as e:
             loaded[n] = (None, f"{type(e).__name__}: {e}")
 
+    if standalone_prewarm:
+        from . import prewarm as P
+        workers = a.workers or (a.prewarm if a.prewarm > 0 else P.default_workers())
+        tasks = P.plan(cells, [n for n in names if loaded[n][0] is not None],
+                       lambda n, c: loaded[n][0].refuses(c))
+        s = P.prewarm(tasks, workers, timeout_s=a.budget_s)
+        print(f"prewarm: {len(tasks)} tasks, {s['wall_s']} s on {workers} processes, "
+              f"{len(P.warmed(s))} without an error")
+        return 0
+    pre_lines: List[str] = []
+    pre = None
+    workers = a.prewarm if a.prewarm >= 0 else None
+    if workers != 0 and not a.list:
+        from . import prewarm as P
+        tasks = P.plan(cells if not a.check_only else cells[:1], [n for n in names if loaded[n][0] is not None],
+                       lambda n, c: loaded[n][0].refuses(c))
+        if tasks:
+            pre = P.prewarm(tasks, workers or P.default_workers(),
+                            timeout_s=max(60.0, a.budget_s - (time.monotonic() - t_start) - 120.0),
+                            say=lambda m: (pre_lines.append(m), print(m, file=sys.stderr, flush=True)))
     ceilings = measure_ceilings()
     hdr = header(a, torch, loaded, ceilings)
+    if pre is not None:
+        hdr["prewarm"] = pre
     out_dir = Path(a.out) if a.out else report.default_out_dir(hdr)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "log.txt", "a")
@@ -262,6 +292,8 @@ def main(argv=None) -> int:
         f"copy {hdr['copy_GBps']} GB/s, bf16 {hdr['bf16_TFLOPs']} TFLOP/s")
     for n, v in hdr["contenders"].items():
         say(f"#   {n}: {v}")
+    for line in pre_lines:
+        log.write(line + "\n")
 
     rows: List[Dict] = []
     acc: Dict[str, Dict] = {}
@@ -320,6 +352,10 @@ def main(argv=None) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
     rotate_bytes = (a.rotate_mb * 2 ** 20) if a.rotate_mb else 2 * l2
     seen_heads = {n: set(seen_heads_pre.get(n, ())) for n in names}
+    if pre is not None:
+        from .prewarm import warmed
+        for n, hq, hv, grad in warmed(pre):
+            seen_heads[n].add((hq, hv, grad))
     total = sum(1 for _ in cells) * len(names)
     bar = tqdm(total=total, file=sys.stderr, mininterval=2.0, dynamic_ncols=True) if tqdm else None
     stream = torch.cuda.Stream()
@@ -355,6 +391,11 @@ def main(argv=None) -> int:
                 row.update(status="skipped", reason=state["poisoned"])
             elif (r := obj.refuses(cell)) is not None:
                 row.update(status="refused", reason=r)
+            elif grad and str(a_res.get("grad_status", "ok")).startswith("refused"):
+                # Its backward refused on the check shape for a reason that is not about the shape
+                # (e.g. FLA's guard against its gated backward on Hopper with this Triton).
+                row.update(status="refused", reason=f"backward refused in the accuracy check: "
+                                                    f"{a_res['grad_status'][len('refused: '):]}")
             elif elapsed + need > a.budget_s:
                 row.update(status="skipped", reason=f"time budget ({a.budget_s:.0f} s) reached")
             else:

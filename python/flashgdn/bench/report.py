@@ -115,6 +115,7 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
                 _e(r.get(k)) for k in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
                 + f" | {_fmt(r.get('first_call_s'), 1)} |")
         L.append("")
+    L += prewarm_section(hdr)
     cells = _cells(rows)
     notes = {}
     for mode in ("fwd", "bwd", "fwdbwd"):
@@ -178,6 +179,29 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
                 L.append(f"- {n}: {m} ({len(where)} cells{', e.g. ' + where[0] if len(where) else ''})")
         L.append("")
     return "\n".join(L)
+
+
+def prewarm_section(hdr: Dict) -> List[str]:
+    """The compile-cache warm-up (prewarm.py): per task, its wall time and what its calls did."""
+    pre = hdr.get("prewarm")
+    if not pre or not pre.get("tasks"):
+        return []
+    L = ["## Compile-cache warm-up (before timing; nothing here is timed)", "",
+         f"{len(pre['tasks'])} tasks, {pre.get('workers')} processes at a time, wall {pre.get('wall_s')} s. "
+         "Each task is one process that calls one peer once on every layout of its head configuration "
+         "(with gradients for fwd+bwd), so that the timed process loads compiled kernels from the "
+         "on-disk caches. Seconds are per task with up to that many compiles sharing the CPU, so they "
+         "overstate a lone cold compile; first-call times in the tables below are cache loads (and "
+         "FLA's autotuning, which is not carried over from these processes).", "",
+         "| contender | Hq/Hv | with grads | s | calls | not ok |", "|---|---|---|---|---|---|"]
+    for t in pre["tasks"]:
+        calls = t.get("calls") or []
+        bad = [c for c in calls if c.get("status") != "ok"]
+        why = t.get("error") or (f"{len(bad)}: {bad[0]['layout']} {bad[0]['status'][:120]}" if bad else "")
+        L.append(f"| {t['contender']} | {t['Hq']}/{t['Hv']} | {'yes' if t['grad'] else 'no'} | "
+                 f"{_fmt(t.get('s'), 1)} | {len(calls)} | {why} |")
+    L.append("")
+    return L
 
 
 def plots(out: Path, rows: List[Dict]) -> List[str]:
@@ -296,10 +320,15 @@ def summary_text(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
 
 def merge(dirs: List[str]):
     hdr, rows, acc, parts = None, {}, {}, []
+    pre_tasks, pre_wall, pre_workers = [], [], set()
     for d in dirs:
         j = json.loads((Path(d) / "results.json").read_text())
         h = j["header"]
         parts.append(f"{d}: {h.get('selection')} ({h.get('date')}, wall {h.get('wall_s')} s)")
+        if h.get("prewarm"):
+            pre_tasks += h["prewarm"].get("tasks", [])
+            pre_wall.append(str(h["prewarm"].get("wall_s")))
+            pre_workers.add(h["prewarm"].get("workers"))
         if hdr is None:
             hdr = dict(h)
         for n, v in (h.get("contenders") or {}).items():
@@ -314,6 +343,9 @@ def merge(dirs: List[str]):
             if key not in rows or (not _ok(rows[key]) and _ok(r)):
                 rows[key] = r
     hdr["parts"] = "; ".join(parts)
+    if pre_tasks:
+        hdr["prewarm"] = dict(workers=", ".join(str(w) for w in sorted(pre_workers, key=str)),
+                              wall_s=" + ".join(pre_wall), tasks=pre_tasks)
     hdr["selection"] = "merged"
     return hdr, list(rows.values()), acc
 

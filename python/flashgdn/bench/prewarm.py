@@ -1,0 +1,158 @@
+"""Warm the peers' compile caches in parallel processes before anything is timed.
+
+FlashQLA (TileLang), FLA (Triton) and FlashInfer (CuTe DSL) compile their kernels on first use,
+per head configuration and per variant (one sequence / packed varlen / with gradients), and keep
+the binaries in on-disk caches (~/.tilelang/cache, ~/.triton/cache, the CuTe DSL file cache).
+Compiling is single-threaded per process and takes 10-150 s per (contender, heads, variant): for
+the full matrix that is about an hour in one process, which is most of the run. Here one task per
+(contender, Hq/Hv, forward or forward+backward) runs in its own process, ``workers`` at a time,
+and calls the contender once on every layout of the selection that the task covers; the timed
+process then loads the binaries from the caches.
+
+What this does not change: every timed number comes from the timed process after its own warm-up
+(timing.time_calls). FLA's autotuning results are not kept from these processes (they time
+configurations while other processes share the GPU): FLA_CACHE_RESULTS=0 here, so the timed
+process autotunes on an otherwise idle GPU, with the compiled binaries already on disk.
+
+    python -m flashgdn.bench prewarm --full --part 1/2 [--workers 12]   # standalone, same selection flags
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import configs as C
+
+PEER_ORDER = ("flashqla", "fla", "flashinfer")  # slowest compilers first
+RESULT_TAG = "PREWARM-RESULT "
+
+
+def known_layouts() -> Dict[str, C.Layout]:
+    out = {}
+    for lay in C.FWD_LAYOUTS + C.BWD_LAYOUTS + [c.layout for c in C.quick_cells()]:
+        out[lay.name] = lay
+    return out
+
+
+def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable) -> List[Dict]:
+    """Tasks: one per (peer, Hq, Hv, grad), each with the layouts (names) of its cells, smallest
+    first: the compiles happen while a task holds little device memory (a dozen tasks share the
+    GPU), and the large layouts then run briefly with the kernels already loaded.
+    ``refuses(name, cell)`` -> reason or None skips cells the contender refuses up front."""
+    groups: Dict[Tuple[str, int, int, bool], List[str]] = {}
+    for name in [n for n in PEER_ORDER if n in contenders]:
+        for c in cells:
+            if refuses(name, c) is not None:
+                continue
+            key = (name, c.Hq, c.Hv, c.mode != "fwd")
+            lays = groups.setdefault(key, [])
+            if c.layout.name not in lays:
+                lays.append(c.layout.name)
+    tasks = []
+    lay_of = known_layouts()
+    for (name, hq, hv, grad), lays in groups.items():
+        lays.sort(key=lambda n: (lay_of[n].total, lay_of[n].nseq))
+        tasks.append(dict(contender=name, Hq=hq, Hv=hv, grad=grad, layouts=lays))
+    # Grad tasks (more kernels) and the slow compilers start first; the pool then fills in.
+    tasks.sort(key=lambda t: (not t["grad"], PEER_ORDER.index(t["contender"]), -t["Hv"]))
+    return tasks
+
+
+def run_task(spec: Dict) -> Dict:
+    """In a worker process: one call per layout; stops a grad task at its first refusal (the
+    backward's refusal does not depend on the layout)."""
+    import torch
+
+    from .cli import classify, make_fn
+    from .contenders import ALL
+    from .inputs import make_inputs
+
+    t_all = time.perf_counter()
+    obj = ALL[spec["contender"]]()
+    obj.load()
+    lay_of = known_layouts()
+    stream = torch.cuda.Stream()
+    mode = "fwdbwd" if spec["grad"] else "fwd"
+    done = []
+    for name in spec["layouts"]:
+        t0 = time.perf_counter()
+        status = "ok"
+        try:
+            inp = make_inputs(spec["Hq"], spec["Hv"], lay_of[name], seed=0, requires_grad=spec["grad"],
+                              with_grads_out=spec["grad"])
+            fn = make_fn(torch, obj, obj.convert(inp), mode, stream)
+            out = fn()
+            torch.cuda.synchronize()
+            del out, fn, inp
+        except Exception as e:  # reported, not raised: the timed run meets it again and says so
+            status = f"{classify(e)}: {type(e).__name__}: {str(e)[:200]}"
+        torch.cuda.empty_cache()
+        done.append(dict(layout=name, s=round(time.perf_counter() - t0, 2), status=status))
+        if status.startswith("refused") and spec["grad"]:
+            break
+    return dict(spec, s=round(time.perf_counter() - t_all, 1), calls=done)
+
+
+def task_main(arg: str) -> int:
+    spec = json.loads(arg)
+    try:
+        res = run_task(spec)
+    except Exception as e:
+        res = dict(spec, s=float("nan"), calls=[], error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(RESULT_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+def _run_one(spec: Dict, timeout_s: float) -> Dict:
+    env = dict(os.environ, FLA_CACHE_RESULTS="0")
+    # ``python -m flashgdn.bench`` normally; by path (``python python/flashgdn/bench``) where
+    # flashgdn is not built and this package is loaded as "flashgdn_bench".
+    entry = ["-m", __package__] if __package__ == "flashgdn.bench" else [os.path.dirname(os.path.abspath(__file__))]
+    cmd = [sys.executable, *entry, "prewarm-task", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(spec, s=round(time.perf_counter() - t0, 1), calls=[], error=f"timed out after {timeout_s:.0f} s")
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return dict(spec, s=round(time.perf_counter() - t0, 1), calls=[],
+                error=f"exit {p.returncode}: {' | '.join(tail)[:300]}")
+
+
+def default_workers() -> int:
+    return max(1, min(12, os.cpu_count() or 1))
+
+
+def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Callable] = None) -> Dict:
+    """Runs the tasks, ``workers`` processes at a time; returns a summary for the header."""
+    say = say or (lambda m: print(m, file=sys.stderr))
+    t0 = time.perf_counter()
+    results = []
+    if tasks:
+        say(f"# prewarm: {len(tasks)} tasks on {workers} processes (compile caches only; nothing is timed)")
+        with ThreadPoolExecutor(max_workers=workers) as ex:
+            for r in ex.map(lambda t: _run_one(t, timeout_s), tasks):
+                bad = [c for c in r.get("calls", []) if c["status"] != "ok"]
+                say(f"  prewarm {r['contender']:10s} {r['Hq']}/{r['Hv']} {'fwd+bwd' if r['grad'] else 'fwd'}: "
+                    f"{r.get('s', float('nan'))} s, {len(r.get('calls', []))} calls"
+                    + (f", {len(bad)} not ok ({bad[0]['status'][:80]})" if bad else "")
+                    + (f"; {r['error']}" if r.get("error") else ""))
+                results.append(r)
+    return dict(workers=workers, wall_s=round(time.perf_counter() - t0, 1), tasks=results)
+
+
+def warmed(summary: Optional[Dict]) -> set:
+    """{(contender, Hq, Hv, grad)} whose task ran every call without an error of its own."""
+    out = set()
+    for r in (summary or {}).get("tasks", []):
+        if not r.get("error") and r.get("calls"):
+            out.add((r["contender"], r["Hq"], r["Hv"], bool(r["grad"])))
+    return out
