@@ -305,8 +305,11 @@ def main(argv=None) -> int:
 
     # ---- accuracy check on one small shape ---------------------------------------------
     if not a.no_check and cells:
-        hq, hv = cells[0].Hq, cells[0].Hv
         grads = any(c.mode != "fwd" for c in cells)
+        # With gradients, a head configuration that has backward cells: the warm-up compiled its
+        # kernels with gradients, so the check does not compile them in this process.
+        first = next(c for c in cells if c.mode != "fwd") if grads else cells[0]
+        hq, hv = first.Hq, first.Hv
         inp = make_inputs(hq, hv, CHECK_LAYOUT, seed=7, requires_grad=grads, with_grads_out=True)
         t0 = time.perf_counter()
         ref = oracle(inp, grads)
