@@ -66,10 +66,14 @@ class Checker {
                           ", got " + got);
   }
 
+  // How the CUDA kernels read a tensor: whole rows with 16-byte vector accesses (q, k, v, o,
+  // states and their gradients), or element by element (per-token gates and indices).
+  enum class Access { kRows, kScalars };
+
   // The tensor's rank, extents, dtype, device and strides. The reference device is the one
   // of q, set by set_device(); tensors checked before it only need a supported device.
   void tensor(const std::string& name, const fgdn_tensor& t, std::initializer_list<Dim> dims,
-              std::initializer_list<fgdn_dtype> dtypes) const {
+              std::initializer_list<fgdn_dtype> dtypes, Access access = Access::kRows) const {
     if (t.data == nullptr) fail(name, "a tensor of shape " + expected_str(dims), "none");
     const int nd = static_cast<int>(dims.size());
     if (t.ndim != nd)
@@ -99,13 +103,15 @@ class Checker {
     if (t.shape[nd - 1] > 1 && t.strides[nd - 1] != 1)
       fail(name, "a contiguous last dimension (stride 1)",
            "stride " + std::to_string(t.strides[nd - 1]));
-    if (t.device_type == FGDN_CUDA) cuda_alignment(name, t);
+    if (t.device_type == FGDN_CUDA && access == Access::kRows) cuda_alignment(name, t);
+    if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+      fail(name, "a data pointer aligned to its element size", "an unaligned pointer");
   }
 
   void optional_tensor(const std::string& name, const fgdn_tensor& t,
-                       std::initializer_list<Dim> dims,
-                       std::initializer_list<fgdn_dtype> dtypes) const {
-    if (t.data != nullptr) tensor(name, t, dims, dtypes);
+                       std::initializer_list<Dim> dims, std::initializer_list<fgdn_dtype> dtypes,
+                       Access access = Access::kRows) const {
+    if (t.data != nullptr) tensor(name, t, dims, dtypes, access);
   }
 
   void absent(const std::string& name, const fgdn_tensor& t, const std::string& why) const {
@@ -215,13 +221,13 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, void* stream) {
   // Gate and write strength.
   p.gate_in_kernel = in.gate_in_kernel != 0;
   const char* g_name = p.gate_in_kernel ? "g (the activation a, gate_in_kernel)" : "g";
-  c.tensor(g_name, in.g, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, kGateDtypes);
-  c.tensor("beta", in.beta, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, kGateDtypes);
+  c.tensor(g_name, in.g, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, kGateDtypes, Checker::Access::kScalars);
+  c.tensor("beta", in.beta, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, kGateDtypes, Checker::Access::kScalars);
   p.g_dtype = static_cast<fgdn_dtype>(in.g.dtype);
   p.beta_dtype = static_cast<fgdn_dtype>(in.beta.dtype);
   if (p.gate_in_kernel) {
-    c.tensor("A_log", in.A_log, {{p.Hv, "Hv"}}, {FGDN_FLOAT32});
-    c.optional_tensor("dt_bias", in.dt_bias, {{p.Hv, "Hv"}}, {FGDN_FLOAT32});
+    c.tensor("A_log", in.A_log, {{p.Hv, "Hv"}}, {FGDN_FLOAT32}, Checker::Access::kScalars);
+    c.optional_tensor("dt_bias", in.dt_bias, {{p.Hv, "Hv"}}, {FGDN_FLOAT32}, Checker::Access::kScalars);
     p.has_dt_bias = in.dt_bias.data != nullptr;
   } else {
     c.absent("A_log", in.A_log, "gate_in_kernel is 0");
@@ -230,7 +236,7 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, void* stream) {
 
   // Sequences: dense B x T, or varlen with cu_seqlens.
   if (in.cu_seqlens.data != nullptr) {
-    c.tensor("cu_seqlens", in.cu_seqlens, {{kAny, "N+1"}}, kIndexDtypes);
+    c.tensor("cu_seqlens", in.cu_seqlens, {{kAny, "N+1"}}, kIndexDtypes, Checker::Access::kScalars);
     if (in.cu_seqlens.shape[0] < 2)
       c.fail("cu_seqlens", "at least 2 entries (N + 1 with N >= 1 sequences)",
              std::to_string(in.cu_seqlens.shape[0]) + " entries");
@@ -280,7 +286,7 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, void* stream) {
   const auto [sd2, sd3] = state_dims(p);
   p.has_state_indices = in.state_indices.data != nullptr;
   if (p.has_state_indices) {
-    c.tensor("state_indices", in.state_indices, {{p.N, "N"}}, kIndexDtypes);
+    c.tensor("state_indices", in.state_indices, {{p.N, "N"}}, kIndexDtypes, Checker::Access::kScalars);
     if (in.initial_state.data == nullptr)
       c.fail("initial_state", "a state pool [P, Hv, K, V] when state_indices is given", "none");
     c.tensor("initial_state", in.initial_state, {{kAny, "P"}, {p.Hv, "Hv"}, sd2, sd3},
@@ -383,12 +389,12 @@ Problem validate_backward(const fgdn_bwd_args* a, void* stream) {
   c.tensor("dq", a->dq, {{p.B, "B"}, {p.T, "T"}, {p.Hq, "Hq"}, {p.K, "K"}}, {p.qkv_dtype});
   c.tensor("dk", a->dk, {{p.B, "B"}, {p.T, "T"}, {p.Hq, "Hq"}, {p.K, "K"}}, {p.qkv_dtype});
   c.tensor("dv", a->dv, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}, {p.V, "V"}}, {p.qkv_dtype});
-  c.tensor("dg", a->dg, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, {p.g_dtype});
-  c.tensor("dbeta", a->dbeta, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, {p.beta_dtype});
+  c.tensor("dg", a->dg, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, {p.g_dtype}, Checker::Access::kScalars);
+  c.tensor("dbeta", a->dbeta, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}}, {p.beta_dtype}, Checker::Access::kScalars);
   if (p.gate_in_kernel) {
-    c.tensor("dA_log", a->dA_log, {{p.Hv, "Hv"}}, {FGDN_FLOAT32});
+    c.tensor("dA_log", a->dA_log, {{p.Hv, "Hv"}}, {FGDN_FLOAT32}, Checker::Access::kScalars);
     if (p.has_dt_bias)
-      c.tensor("ddt_bias", a->ddt_bias, {{p.Hv, "Hv"}}, {FGDN_FLOAT32});
+      c.tensor("ddt_bias", a->ddt_bias, {{p.Hv, "Hv"}}, {FGDN_FLOAT32}, Checker::Access::kScalars);
     else
       c.absent("ddt_bias", a->ddt_bias, "dt_bias is not given");
   } else {

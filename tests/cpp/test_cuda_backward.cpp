@@ -233,6 +233,8 @@ std::vector<ft::Spec> all_cases() {
   }
   add(with_states(dense_d("GVA2_8_B2_T300_D64_fp16", 2, 300, 2, 8, 64, FGDN_FLOAT16)));
   add(dense_d("GVA32_32_T100_D128", 1, 100, 32, 32, 128));
+  // Hv = 6: g, beta, dg, dbeta rows of 24 bytes (read and written element by element).
+  add(with_states(dense_d("GVA2_6_B2_T200_D128", 2, 200, 2, 6, 128)));
   {
     ft::Spec s = with_states(varlen_d("varlen_edge_D64_l2norm", cu_edge, 2, 4, 64));
     s.l2norm = true;

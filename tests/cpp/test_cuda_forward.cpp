@@ -280,6 +280,8 @@ std::vector<ft::Spec> all_cases() {
   add(with_h0(dense_d("bf16_gva_16_64_T300_D128", 1, 300, 16, 64, 128)));
   add(with_h0(dense_d("bf16_gva_32_32_T200_D64", 1, 200, 32, 32, 64)));
   add(with_h0(dense_d("fp16_gva_3_3_T130_D128", 1, 130, 3, 3, 128, FGDN_FLOAT16)));
+  // Hv = 6 (Qwen3.5 at TP 8): g and beta rows are 24 bytes, not a multiple of 16.
+  add(with_h0(dense_d("bf16_gva_2_6_B2_T300_D128", 2, 300, 2, 6, 128)));
   // varlen with zero-length and one-token sequences
   add(with_h0(varlen_d("bf16_varlen_edge_D64", cu_edge, 2, 4, 64)));
   add(with_h0(varlen_d("fp16_varlen_edge_D128", cu_edge, 1, 3, 128, FGDN_FLOAT16)));
