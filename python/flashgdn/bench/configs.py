@@ -135,18 +135,22 @@ def quick_cells() -> List[Cell]:
     return cells
 
 
-# Rough cost model (seconds) for splitting the full matrix into parts: peers compile per head
-# configuration (FlashQLA/TileLang 35-125 s, FLA/Triton 40-110 s, FlashInfer 2-5 s; backward
-# kernels again), so all cells of one head configuration go to the same part.
-JIT_S_PER_HEADS = {"fwd": 170.0, "bwd": 150.0}
-S_PER_CELL = {"fwd": 5.0, "bwd": 6.0, "fwdbwd": 8.0}
+# Cost model (seconds, H100 machine of 16 cores, 2026-11-23 runs in bench/results/h100-2026-11-23/full):
+# the peers compile per head configuration and per variant (with gradients or not). One
+# warm-up task (prewarm.py) per (peer, heads, gradients) took, cold, with 16 tasks sharing the
+# CPU: FlashQLA ~280 s forward / ~360 s with gradients, FLA ~140 s, FlashInfer ~30 s. Timing
+# with warm caches: ~4 s per cell, all contenders together (64 cells in 377 s, 68 in 377 s).
+PREWARM_TASK_S = {("flashqla", False): 280.0, ("flashqla", True): 360.0, ("fla", False): 140.0,
+                  ("fla", True): 140.0, ("flashinfer", False): 30.0}
+S_PER_CELL = {"fwd": 4.0, "bwd": 4.0, "fwdbwd": 4.0}
 
 
-def estimate_s(cells: Sequence[Cell]) -> float:
-    fwd_heads = {(c.Hq, c.Hv) for c in cells if c.mode == "fwd"}
-    bwd_heads = {(c.Hq, c.Hv) for c in cells if c.mode != "fwd"}
-    return (len(fwd_heads) * JIT_S_PER_HEADS["fwd"] + len(bwd_heads) * JIT_S_PER_HEADS["bwd"]
-            + sum(S_PER_CELL[c.mode] for c in cells))
+def estimate_s(cells: Sequence[Cell], workers: int = 16) -> float:
+    """Cold-cache estimate: the warm-up tasks spread over ``workers`` processes, then the cells."""
+    tasks = {(n, c.Hq, c.Hv, c.mode != "fwd") for c in cells for n in ("flashqla", "fla", "flashinfer")
+             if not (n == "flashinfer" and c.mode != "fwd")}
+    prewarm = sum(PREWARM_TASK_S[(n, g)] for n, _, _, g in tasks) / max(1, min(workers, len(tasks) or 1))
+    return prewarm + sum(S_PER_CELL[c.mode] for c in cells)
 
 
 def part_of(cells: List[Cell], i: int, n: int) -> List[Cell]:

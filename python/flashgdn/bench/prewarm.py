@@ -128,7 +128,7 @@ def _run_one(spec: Dict, timeout_s: float) -> Dict:
 
 
 def default_workers() -> int:
-    return max(1, min(12, os.cpu_count() or 1))
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Callable] = None) -> Dict:

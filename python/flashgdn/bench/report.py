@@ -19,7 +19,7 @@ MODE_TITLE = {"fwd": "Forward (inference: no saved state)", "bwd": "Backward alo
 CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode", "contender", "status",
               "reason", "ms", "speedup_of_flashgdn", "method", "reps", "spread", "nsets", "error", "err_o",
               "err_ht", "err_grad", "mem_mib", "first_call_s", "floor_ms", "floor_frac", "tflops", "gbps",
-              "floor_flop", "floor_bytes"]
+              "floor_flop", "floor_bytes", "wall_s"]
 
 
 def _repo_root() -> Optional[Path]:
@@ -204,6 +204,48 @@ def prewarm_section(hdr: Dict) -> List[str]:
     return L
 
 
+def standing(rows: List[Dict]) -> str:
+    """Per cell, flashgdn's speedup over the best peer of that cell and which peer it was: one
+    table per mode, head configurations by layouts, with the geometric mean per row and mode."""
+    tag = {"flashqla": "Q", "flashinfer": "I", "fla": "F"}
+    cells = _cells(rows)
+    L = ["# Where flashgdn stands, per cell", "",
+         "Each entry: best peer ms / flashgdn ms (below 1: flashgdn is slower) and the best peer: "
+         "Q = FlashQLA, I = FlashInfer, F = FLA (versions in results.md, with every ms, error, "
+         "memory and the floor). Empty: flashgdn or every peer has no time for that cell.", ""]
+    for mode in ("fwd", "bwd", "fwdbwd"):
+        keys = [k for k in cells if k[0] == mode]
+        if not keys:
+            continue
+        lays = list(dict.fromkeys(k[2] for k in keys))
+        L += [f"## {MODE_TITLE[mode]}", "",
+              "| Hq/Hv | " + " | ".join(x.split("(")[0] for x in lays) + " | geomean |",
+              "|---|" + "---|" * (len(lays) + 1)]
+        every = []
+        for h in dict.fromkeys(k[1] for k in keys):
+            vals, ratios = [], []
+            for lay in lays:
+                by = cells.get((mode, h, lay), {})
+                me = by.get("flashgdn")
+                ok = [(by[p]["ms"], p) for p in PEERS if p in by and _ok(by[p])]
+                if not (me and _ok(me) and ok):
+                    vals.append("")
+                    continue
+                ms, p = min(ok)
+                ratios.append(ms / me["ms"])
+                vals.append(f"{ratios[-1]:.2f} {tag[p]}")
+            every += ratios
+            gm = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+            L.append(f"| {h} | " + " | ".join(vals) + f" | {_fmt(gm, 2)} |")
+        if every:
+            gm = math.exp(sum(map(math.log, every)) / len(every))
+            L += ["", f"{len(every)} cells: geometric mean {gm:.3f}, worst {min(every):.3f}, best "
+                      f"{max(every):.3f}; flashgdn faster than the best peer in "
+                      f"{sum(x > 1 for x in every)} of them."]
+        L.append("")
+    return "\n".join(L)
+
+
 def plots(out: Path, rows: List[Dict]) -> List[str]:
     try:
         import matplotlib
@@ -286,6 +328,7 @@ def write_all(out: Path, hdr: Dict, rows: List[Dict], acc: Dict, plots: bool = F
     with open(out / "results.json", "w") as f:
         json.dump(_json_safe({"header": hdr, "accuracy": acc, "rows": rows}), f, indent=1)
     (out / "results.md").write_text(markdown(hdr, rows, acc))
+    (out / "standing.md").write_text(standing(rows))
     if plots:
         hdr["plots"] = _plots(out, rows)
         (out / "results.md").write_text(markdown(hdr, rows, acc))
@@ -320,11 +363,15 @@ def summary_text(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
 
 def merge(dirs: List[str]):
     hdr, rows, acc, parts = None, {}, {}, []
-    pre_tasks, pre_wall, pre_workers = [], [], set()
+    pre_tasks, pre_wall, pre_workers, commits = [], [], set(), []
     for d in dirs:
         j = json.loads((Path(d) / "results.json").read_text())
         h = j["header"]
-        parts.append(f"{d}: {h.get('selection')} ({h.get('date')}, wall {h.get('wall_s')} s)")
+        parts.append(f"{d}: {h.get('selection')} at {h.get('flashgdn_commit')} ({h.get('date')}, "
+                     f"wall {h.get('wall_s')} s, copy {h.get('copy_GBps')} GB/s, bf16 {h.get('bf16_TFLOPs')} "
+                     f"TFLOP/s; argv {h.get('argv')})")
+        if h.get("flashgdn_commit") not in commits:
+            commits.append(h.get("flashgdn_commit"))
         if h.get("prewarm"):
             pre_tasks += h["prewarm"].get("tasks", [])
             pre_wall.append(str(h["prewarm"].get("wall_s")))
@@ -343,11 +390,30 @@ def merge(dirs: List[str]):
             if key not in rows or (not _ok(rows[key]) and _ok(r)):
                 rows[key] = r
     hdr["parts"] = "; ".join(parts)
+    merged = sorted(rows.values(), key=_matrix_order)
+    hdr["flashgdn_commit"] = ", ".join(str(c) for c in commits)
+    hdr["argv"] = "per part, see parts"
+    hdr["copy_GBps"] = f"{hdr.get('copy_GBps')} (first part; each row's floor uses its own part's)"
+    hdr["bf16_TFLOPs"] = f"{hdr.get('bf16_TFLOPs')} (first part)"
+    hdr.pop("wall_s", None)
     if pre_tasks:
         hdr["prewarm"] = dict(workers=", ".join(str(w) for w in sorted(pre_workers, key=str)),
                               wall_s=" + ".join(pre_wall), tasks=pre_tasks)
     hdr["selection"] = "merged"
-    return hdr, list(rows.values()), acc
+    return hdr, merged, acc
+
+
+def _matrix_order(r: Dict):
+    """Rows of merged parts in the order of the matrix (configs.py): mode, heads, layout, contender."""
+    from . import configs as C
+
+    heads = C.FWD_HEADS + [h for h in C.BWD_HEADS if h not in C.FWD_HEADS]
+    layouts = [lay.name for lay in (C.FWD_LAYOUTS if r["mode"] == "fwd" else C.BWD_LAYOUTS)]
+    key_h = (int(r.get("Hq", 0)), int(r.get("Hv", 0)))
+    return (C.MODES.index(r["mode"]) if r["mode"] in C.MODES else 9,
+            heads.index(key_h) if key_h in heads else 99,
+            layouts.index(r["layout"]) if r["layout"] in layouts else 99,
+            CONTENDER_ORDER.index(r["contender"]) if r["contender"] in CONTENDER_ORDER else 9)
 
 
 def main(argv=None) -> int:

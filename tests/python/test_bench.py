@@ -1,0 +1,109 @@
+"""CPU tests of the benchmark harness's bookkeeping (no GPU, no peers): the matrix and its
+split into parts, the compile warm-up plan, and merging the parts' results into one table."""
+import json
+import math
+
+from flashgdn.bench import configs as C
+from flashgdn.bench import prewarm as P
+from flashgdn.bench import report as R
+
+
+def test_full_matrix_matches_the_issue():
+    cells = C.full_cells()
+    fwd = [c for c in cells if c.mode == "fwd"]
+    assert {(c.Hq, c.Hv) for c in fwd} == set(C.FWD_HEADS) and len(C.FWD_HEADS) == 12
+    assert {(c.Hq, c.Hv) for c in cells if c.mode != "fwd"} == set(C.BWD_HEADS)
+    assert len(fwd) == 12 * len(C.FWD_LAYOUTS)
+    assert len(cells) == len(fwd) + 2 * 5 * len(C.BWD_LAYOUTS) == 224
+    mix = [lay for lay in C.FWD_LAYOUTS if lay.name.startswith("mix")][0]
+    assert mix.total == 32768 and mix.lens[0] == 16384 and all(100 <= n <= 1000 for n in mix.lens[1:])
+
+
+def test_parts_cover_the_matrix_once_with_whole_head_configurations():
+    cells = C.full_cells()
+    for n in (1, 2, 3, 7):
+        parts = [C.part_of(cells, i, n) for i in range(1, n + 1)]
+        keys = [c.key for p in parts for c in p]
+        assert sorted(keys) == sorted(c.key for c in cells)
+        owners = {}
+        for i, p in enumerate(parts):
+            for c in p:
+                assert owners.setdefault((c.Hq, c.Hv), i) == i
+
+
+def test_estimate_counts_warm_up_tasks_and_cells():
+    one = [c for c in C.full_cells() if (c.Hq, c.Hv) == (4, 4)]  # forward only: 3 peers' forward tasks
+    expect = (C.PREWARM_TASK_S[("flashqla", False)] + C.PREWARM_TASK_S[("fla", False)]
+              + C.PREWARM_TASK_S[("flashinfer", False)]) / 3 + len(one) * C.S_PER_CELL["fwd"]
+    assert math.isclose(C.estimate_s(one, workers=16), expect)
+    assert C.estimate_s(C.full_cells(), workers=4) > C.estimate_s(C.full_cells(), workers=16)
+
+
+def test_prewarm_plan_groups_by_peer_heads_and_gradients():
+    cells = [c for c in C.full_cells() if (c.Hq, c.Hv) in ((2, 8), (4, 4))]
+
+    def refuses(name, cell):
+        return "no backward" if name == "flashinfer" and cell.mode != "fwd" else None
+
+    tasks = P.plan(cells, ["flashgdn", "flashinfer", "fla", "flashqla"], refuses)
+    keys = [(t["contender"], t["Hq"], t["Hv"], t["grad"]) for t in tasks]
+    assert len(keys) == len(set(keys))
+    assert "flashgdn" not in {t["contender"] for t in tasks}  # nothing to compile
+    assert ("flashinfer", 2, 8, True) not in keys  # refused up front
+    assert set(keys) == {(n, 2, 8, False) for n in ("flashqla", "fla", "flashinfer")} | \
+        {(n, 4, 4, False) for n in ("flashqla", "fla", "flashinfer")} | {("flashqla", 2, 8, True), ("fla", 2, 8, True)}
+    assert [t["grad"] for t in tasks][:2] == [True, True]  # the longest tasks start first
+    lay_of = P.known_layouts()
+    for t in tasks:
+        sizes = [lay_of[n].total for n in t["layouts"]]
+        assert sizes == sorted(sizes)  # compile on the small layouts first
+        want = {c.layout.name for c in cells if (c.Hq, c.Hv) == (t["Hq"], t["Hv"]) and (c.mode != "fwd") == t["grad"]}
+        assert set(t["layouts"]) == want
+
+
+def test_warmed_keeps_only_tasks_without_their_own_error():
+    s = {"tasks": [dict(contender="fla", Hq=2, Hv=8, grad=False, calls=[{"layout": "1x2048", "status": "ok"}]),
+                   dict(contender="flashqla", Hq=2, Hv=8, grad=False, calls=[], error="timed out after 60 s")]}
+    assert P.warmed(s) == {("fla", 2, 8, False)}
+
+
+def _row(contender, ms, status="ok", config="2/8", layout="1x8192", mode="fwd"):
+    return dict(config=config, Hq=2, Hv=8, layout=layout, kind="seq", nseq=1, T_total=8192, mode=mode,
+                contender=contender, status=status, reason="" if status == "ok" else "time budget",
+                ms=ms, floor_ms=0.01, mem_mib=1.0, first_call_s=0.1, method="graph")
+
+
+def _part(tmp_path, name, commit, rows, tasks=()):
+    d = tmp_path / name
+    d.mkdir()
+    hdr = dict(gpu="H100", date="2026-11-23", flashgdn_commit=commit, selection="full", argv="--full",
+               copy_GBps=3000.0, bf16_TFLOPs=760.0, contenders={"flashgdn": "0.1.0", "fla": "0.6.0"},
+               prewarm=dict(workers=16, wall_s=10.0, tasks=list(tasks)))
+    (d / "results.json").write_text(json.dumps({"header": hdr, "accuracy": {"flashgdn": {"status": "ok"}},
+                                                "rows": rows}))
+    return str(d)
+
+
+def test_merge_prefers_measured_cells_and_names_every_commit(tmp_path):
+    task = dict(contender="fla", Hq=2, Hv=8, grad=False, s=12.0, calls=[{"layout": "1x8192", "status": "ok"}])
+    a = _part(tmp_path, "a", "aaa", [_row("flashgdn", 2.0), _row("fla", float("nan"), status="skipped")], [task])
+    b = _part(tmp_path, "b", "bbb", [_row("flashgdn", 3.0), _row("fla", 0.5)])
+    hdr, rows, acc = R.merge([a, b])
+    by = {r["contender"]: r for r in rows}
+    assert by["flashgdn"]["ms"] == 2.0  # first part's measurement is kept
+    assert by["fla"]["status"] == "ok" and by["fla"]["ms"] == 0.5  # a skipped cell is filled in
+    assert hdr["flashgdn_commit"] == "aaa, bbb"
+    assert len(hdr["prewarm"]["tasks"]) == 1
+    md = R.markdown(hdr, rows, acc)
+    assert "Compile-cache warm-up" in md and "| fla | 2/8 | no | 12.0 | 1 |  |" in md
+    R.add_speedups(rows)
+    assert math.isclose(by["fla"]["speedup_of_flashgdn"], 0.25)
+
+
+def test_standing_names_the_best_peer_and_the_ratio():
+    rows = [_row("flashgdn", 2.0), _row("flashqla", 0.5), _row("flashinfer", 0.4),
+            _row("fla", float("nan"), status="refused"),
+            _row("flashgdn", 1.0, layout="1x2048"), _row("flashqla", 2.0, layout="1x2048")]
+    text = R.standing(rows)
+    assert "| 2/8 | 0.20 I | 2.00 Q | 0.63 |" in text  # geomean of 0.2 and 2.0
+    assert "2 cells: geometric mean 0.632, worst 0.200, best 2.000; flashgdn faster than the best peer in 1 of them." in text
