@@ -25,7 +25,10 @@ pytestmark = [
 DEV = "cuda"
 # A varlen pack of mixed lengths: long, empty, one token, exactly one chunk, partial chunks.
 PACK = [700, 0, 1, 64, 300, 65]
-HEADS = [(16, 64), (16, 48), (16, 32), (8, 32), (8, 24), (4, 16), (2, 8), (16, 16), (32, 32)]
+# Every head configuration of the benchmark matrix (Qwen3.5/3.6 at TP 1..8) and one with 32 heads.
+# Hv = 6 and 12: g and beta rows are not a multiple of 16 bytes.
+HEADS = [(16, 64), (8, 32), (4, 16), (2, 8), (16, 48), (8, 24), (4, 12), (2, 6), (16, 32), (8, 16),
+         (16, 16), (4, 4), (2, 4), (32, 32)]
 
 
 def _run(c, ctx="", **kw):
