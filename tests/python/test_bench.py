@@ -107,3 +107,35 @@ def test_standing_names_the_best_peer_and_the_ratio():
     text = R.standing(rows)
     assert "| 2/8 | 0.20 I | 2.00 Q | 0.63 |" in text  # geomean of 0.2 and 2.0
     assert "2 cells: geometric mean 0.632, worst 0.200, best 2.000; flashgdn faster than the best peer in 1 of them." in text
+
+
+def test_prewarm_markers_skip_tasks_done_on_these_caches(tmp_path, monkeypatch):
+    tasks = [dict(contender="fla", Hq=2, Hv=8, grad=False, layouts=["1x2048", "1x4096"]),
+             dict(contender="fla", Hq=2, Hv=8, grad=True, layouts=["1x8192", "2x4096"]),
+             dict(contender="flashqla", Hq=2, Hv=8, grad=False, layouts=["1x2048"])]
+    ran = []
+
+    def fake_run(spec, timeout_s):
+        ran.append(spec["contender"] + str(spec["grad"]))
+        if spec["contender"] == "flashqla":  # one call failed: no marker
+            return dict(spec, s=1.0, calls=[{"layout": "1x2048", "status": "failed: RuntimeError: x"}])
+        if spec["grad"]:  # refused on its first call: the refusal is the same for every layout
+            return dict(spec, s=1.0, calls=[{"layout": "1x8192", "status": "refused: RuntimeError: no"}])
+        return dict(spec, s=1.0, calls=[{"layout": n, "status": "ok"} for n in spec["layouts"]])
+
+    monkeypatch.setattr(P, "_run_one", fake_run)
+    monkeypatch.delenv(P.MARKER_ENV, raising=False)
+    P.prewarm(tasks, 2, 60, say=lambda m: None, versions={"fla": "v1"})
+    assert not list(tmp_path.iterdir())  # markers are opt-in
+    monkeypatch.setenv(P.MARKER_ENV, str(tmp_path / "marks"))
+    ran.clear()
+    P.prewarm(tasks, 2, 60, say=lambda m: None, versions={"fla": "v1"})
+    assert sorted(ran) == ["flaFalse", "flaTrue", "flashqlaFalse"]
+    assert len(list((tmp_path / "marks").iterdir())) == 2
+    ran.clear()
+    s = P.prewarm(tasks, 2, 60, say=lambda m: None, versions={"fla": "v1"})
+    assert ran == ["flashqlaFalse"]  # only the task without a marker runs again
+    assert {("fla", 2, 8, False), ("fla", 2, 8, True)} <= P.warmed(s)
+    ran.clear()
+    P.prewarm(tasks, 2, 60, say=lambda m: None, versions={"fla": "v2"})  # another version: no marker
+    assert sorted(ran) == ["flaFalse", "flaTrue", "flashqlaFalse"]

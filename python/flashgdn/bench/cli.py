@@ -134,6 +134,16 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     return h
 
 
+def _versions(loaded: Dict) -> Dict[str, str]:
+    out = {}
+    for name, (obj, _) in loaded.items():
+        try:
+            out[name] = obj.version() if obj is not None else "not installed"
+        except Exception as e:
+            out[name] = f"? ({type(e).__name__})"
+    return out
+
+
 # ---- one contender on one cell --------------------------------------------------------------
 
 def classify(e: BaseException) -> str:
@@ -258,7 +268,7 @@ def main(argv=None) -> int:
         workers = a.workers or (a.prewarm if a.prewarm > 0 else P.default_workers())
         tasks = P.plan(cells, [n for n in names if loaded[n][0] is not None],
                        lambda n, c: loaded[n][0].refuses(c))
-        s = P.prewarm(tasks, workers, timeout_s=a.budget_s)
+        s = P.prewarm(tasks, workers, timeout_s=a.budget_s, versions=_versions(loaded))
         print(f"prewarm: {len(tasks)} tasks, {s['wall_s']} s on {workers} processes, "
               f"{len(P.warmed(s))} without an error")
         return 0
@@ -272,7 +282,8 @@ def main(argv=None) -> int:
         if tasks:
             pre = P.prewarm(tasks, workers or P.default_workers(),
                             timeout_s=max(60.0, a.budget_s - (time.monotonic() - t_start) - 120.0),
-                            say=lambda m: (pre_lines.append(m), print(m, file=sys.stderr, flush=True)))
+                            say=lambda m: (pre_lines.append(m), print(m, file=sys.stderr, flush=True)),
+                            versions=_versions(loaded))
     ceilings = measure_ceilings()
     hdr = header(a, torch, loaded, ceilings)
     if pre is not None:

@@ -15,21 +15,29 @@ configurations while other processes share the GPU): FLA_CACHE_RESULTS=0 here, s
 process autotunes on an otherwise idle GPU, with the compiled binaries already on disk.
 
     python -m flashgdn.bench prewarm --full --part 1/2 [--workers 12]   # standalone, same selection flags
+
+Markers (opt-in: set FLASHGDN_PREWARM_DIR to a folder kept together with the compile caches,
+as scripts/gpu_bench.sh does under /tmp/peer-cache): a task that completed writes a marker
+named by the peer's version, heads, gradients and layouts; a later run on a machine holding those
+caches (the same machine, or caches carried from one) skips the tasks that have a marker.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import configs as C
 
 PEER_ORDER = ("flashqla", "fla", "flashinfer")  # slowest compilers first
 RESULT_TAG = "PREWARM-RESULT "
+MARKER_ENV = "FLASHGDN_PREWARM_DIR"
 
 
 def known_layouts() -> Dict[str, C.Layout]:
@@ -127,15 +135,50 @@ def _run_one(spec: Dict, timeout_s: float) -> Dict:
                 error=f"exit {p.returncode}: {' | '.join(tail)[:300]}")
 
 
+def marker_path(task: Dict, version: str) -> Optional[Path]:
+    """Where the marker of ``task`` lives, or None when markers are off (no FLASHGDN_PREWARM_DIR)."""
+    root = os.environ.get(MARKER_ENV)
+    if not root:
+        return None
+    what = json.dumps([version, task["contender"], task["Hq"], task["Hv"], bool(task["grad"]), task["layouts"]])
+    digest = hashlib.sha1(what.encode()).hexdigest()[:16]
+    return Path(root) / f"{task['contender']}-{task['Hq']}-{task['Hv']}-{'grad' if task['grad'] else 'fwd'}-{digest}.json"
+
+
+def completed(result: Dict) -> bool:
+    """Every call ran, or a task with gradients stopped at a refusal (which does not depend on
+    the layout): the caches hold what the timed run will ask for."""
+    calls = result.get("calls") or []
+    if result.get("error") or not calls:
+        return False
+    if all(c["status"] == "ok" for c in calls) and len(calls) == len(result["layouts"]):
+        return True
+    return bool(result["grad"]) and calls[-1]["status"].startswith("refused") and \
+        all(c["status"] == "ok" for c in calls[:-1])
+
+
 def default_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Callable] = None) -> Dict:
-    """Runs the tasks, ``workers`` processes at a time; returns a summary for the header."""
+def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Callable] = None,
+            versions: Optional[Dict[str, str]] = None) -> Dict:
+    """Runs the tasks, ``workers`` processes at a time, skipping those with a marker; returns a
+    summary for the header."""
     say = say or (lambda m: print(m, file=sys.stderr))
+    versions = versions or {}
     t0 = time.perf_counter()
     results = []
+    todo = []
+    for t in tasks:
+        mark = marker_path(t, versions.get(t["contender"], "?"))
+        if mark is not None and mark.is_file():
+            results.append(dict(t, s=0.0, calls=[], cached=str(mark)))
+        else:
+            todo.append(t)
+    if results:
+        say(f"# prewarm: {len(results)} tasks already done on this machine's caches (markers in ${MARKER_ENV})")
+    tasks = todo
     if tasks:
         say(f"# prewarm: {len(tasks)} tasks on {workers} processes (compile caches only; nothing is timed)")
         with ThreadPoolExecutor(max_workers=workers) as ex:
@@ -146,6 +189,10 @@ def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Cal
                     + (f", {len(bad)} not ok ({bad[0]['status'][:80]})" if bad else "")
                     + (f"; {r['error']}" if r.get("error") else ""))
                 results.append(r)
+                mark = marker_path(r, versions.get(r["contender"], "?"))
+                if mark is not None and completed(r):
+                    mark.parent.mkdir(parents=True, exist_ok=True)
+                    mark.write_text(json.dumps(dict(r, version=versions.get(r["contender"], "?"))))
     return dict(workers=workers, wall_s=round(time.perf_counter() - t0, 1), tasks=results)
 
 
@@ -153,6 +200,6 @@ def warmed(summary: Optional[Dict]) -> set:
     """{(contender, Hq, Hv, grad)} whose task ran every call without an error of its own."""
     out = set()
     for r in (summary or {}).get("tasks", []):
-        if not r.get("error") and r.get("calls"):
+        if r.get("cached") or (not r.get("error") and r.get("calls")):
             out.add((r["contender"], r["Hq"], r["Hv"], bool(r["grad"])))
     return out

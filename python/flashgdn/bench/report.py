@@ -198,6 +198,8 @@ def prewarm_section(hdr: Dict) -> List[str]:
         calls = t.get("calls") or []
         bad = [c for c in calls if c.get("status") != "ok"]
         why = t.get("error") or (f"{len(bad)}: {bad[0]['layout']} {bad[0]['status'][:120]}" if bad else "")
+        if t.get("cached"):
+            why = "skipped: done before on this machine's compile caches (marker)"
         L.append(f"| {t['contender']} | {t['Hq']}/{t['Hv']} | {'yes' if t['grad'] else 'no'} | "
                  f"{_fmt(t.get('s'), 1)} | {len(calls)} | {why} |")
     L.append("")
