@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -181,18 +181,24 @@ def prewarm(tasks: List[Dict], workers: int, timeout_s: float, say: Optional[Cal
     tasks = todo
     if tasks:
         say(f"# prewarm: {len(tasks)} tasks on {workers} processes (compile caches only; nothing is timed)")
+        done = []
         with ThreadPoolExecutor(max_workers=workers) as ex:
-            for r in ex.map(lambda t: _run_one(t, timeout_s), tasks):
+            futures = {ex.submit(_run_one, t, timeout_s): i for i, t in enumerate(tasks)}
+            # As each task ends (not in submission order): a run cut short keeps the markers of
+            # every task that finished.
+            for fut in as_completed(futures):
+                r = fut.result()
+                done.append((futures[fut], r))
                 bad = [c for c in r.get("calls", []) if c["status"] != "ok"]
                 say(f"  prewarm {r['contender']:10s} {r['Hq']}/{r['Hv']} {'fwd+bwd' if r['grad'] else 'fwd'}: "
                     f"{r.get('s', float('nan'))} s, {len(r.get('calls', []))} calls"
                     + (f", {len(bad)} not ok ({bad[0]['status'][:80]})" if bad else "")
                     + (f"; {r['error']}" if r.get("error") else ""))
-                results.append(r)
                 mark = marker_path(r, versions.get(r["contender"], "?"))
                 if mark is not None and completed(r):
                     mark.parent.mkdir(parents=True, exist_ok=True)
                     mark.write_text(json.dumps(dict(r, version=versions.get(r["contender"], "?"))))
+        results += [r for _, r in sorted(done, key=lambda x: x[0])]
     return dict(workers=workers, wall_s=round(time.perf_counter() - t0, 1), tasks=results)
 
 
