@@ -134,6 +134,13 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     return h
 
 
+def _prewarm_tasks(cells, names, loaded: Dict) -> List[Dict]:
+    """The compile warm-up's tasks for the contenders that loaded (prewarm.plan)."""
+    from .prewarm import plan
+
+    return plan(cells, [n for n in names if loaded[n][0] is not None], lambda n, c: loaded[n][0].refuses(c))
+
+
 def _versions(loaded: Dict) -> Dict[str, str]:
     out = {}
     for name, (obj, _) in loaded.items():
@@ -266,8 +273,7 @@ def main(argv=None) -> int:
     if standalone_prewarm:
         from . import prewarm as P
         workers = a.workers or (a.prewarm if a.prewarm > 0 else P.default_workers())
-        tasks = P.plan(cells, [n for n in names if loaded[n][0] is not None],
-                       lambda n, c: loaded[n][0].refuses(c))
+        tasks = _prewarm_tasks(cells, names, loaded)
         s = P.prewarm(tasks, workers, timeout_s=a.budget_s, versions=_versions(loaded))
         print(f"prewarm: {len(tasks)} tasks, {s['wall_s']} s on {workers} processes, "
               f"{len(P.warmed(s))} without an error")
@@ -275,10 +281,9 @@ def main(argv=None) -> int:
     pre_lines: List[str] = []
     pre = None
     workers = a.prewarm if a.prewarm >= 0 else None
-    if workers != 0 and not a.list:
+    if workers != 0:
         from . import prewarm as P
-        tasks = P.plan(cells if not a.check_only else cells[:1], [n for n in names if loaded[n][0] is not None],
-                       lambda n, c: loaded[n][0].refuses(c))
+        tasks = _prewarm_tasks(cells[:1] if a.check_only else cells, names, loaded)
         if tasks:
             pre = P.prewarm(tasks, workers or P.default_workers(),
                             timeout_s=max(60.0, a.budget_s - (time.monotonic() - t_start) - 120.0),
