@@ -31,12 +31,12 @@ def test_parts_cover_the_matrix_once_with_whole_head_configurations():
                 assert owners.setdefault((c.Hq, c.Hv), i) == i
 
 
-def test_estimate_counts_warm_up_tasks_and_cells():
+def test_estimate_overlaps_the_warm_up_with_the_timing():
     one = [c for c in C.full_cells() if (c.Hq, c.Hv) == (4, 4)]  # forward only: 3 peers' forward tasks
-    expect = (C.PREWARM_TASK_S[("flashqla", False)] + C.PREWARM_TASK_S[("fla", False)]
-              + C.PREWARM_TASK_S[("flashinfer", False)]) / 3 + len(one) * C.S_PER_CELL["fwd"]
+    longest = C.PREWARM_TASK_S[("flashqla", False)]  # one task is longer than the three spread over 16
+    expect = C.S_START + max(longest + C.S_SLOWEST_SHARE * len(one), C.S_PER_CELL["fwd"] * len(one))
     assert math.isclose(C.estimate_s(one, workers=16), expect)
-    assert C.estimate_s(C.full_cells(), workers=4) > C.estimate_s(C.full_cells(), workers=16)
+    assert C.estimate_s(C.full_cells(), workers=1) > C.estimate_s(C.full_cells(), workers=16)
 
 
 def test_prewarm_plan_groups_by_peer_heads_and_gradients():
@@ -52,7 +52,10 @@ def test_prewarm_plan_groups_by_peer_heads_and_gradients():
     assert ("flashinfer", 2, 8, True) not in keys  # refused up front
     assert set(keys) == {(n, 2, 8, False) for n in ("flashqla", "fla", "flashinfer")} | \
         {(n, 4, 4, False) for n in ("flashqla", "fla", "flashinfer")} | {("flashqla", 2, 8, True), ("fla", 2, 8, True)}
-    assert [t["grad"] for t in tasks][:2] == [True, True]  # the longest tasks start first
+    # The slowest compiler first, its gradient tasks before its forward ones; the other peers'
+    # gradient tasks last (skipped once that peer's backward is refused).
+    assert keys[:3] == [("flashqla", 2, 8, True), ("flashqla", 2, 8, False), ("flashqla", 4, 4, False)]
+    assert keys[-1] == ("fla", 2, 8, True)
     lay_of = P.known_layouts()
     for t in tasks:
         sizes = [lay_of[n].total for n in t["layouts"]]
@@ -139,3 +142,97 @@ def test_prewarm_markers_skip_tasks_done_on_these_caches(tmp_path, monkeypatch):
     ran.clear()
     P.prewarm(tasks, 2, 60, say=lambda m: None, versions={"fla": "v2"})  # another version: no marker
     assert sorted(ran) == ["flaFalse", "flaTrue", "flashqlaFalse"]
+
+
+def test_prewarm_plan_puts_the_check_first():
+    cells = [c for c in C.full_cells() if (c.Hq, c.Hv) in ((2, 8), (4, 4))]
+
+    def refuses(name, cell):
+        return "no backward" if name == "flashinfer" and cell.mode != "fwd" else None
+
+    tasks = P.plan(cells, ["flashinfer", "fla", "flashqla"], refuses, check=(2, 8, True))
+    keys = [(t["contender"], t["Hq"], t["Hv"], t["grad"]) for t in tasks]
+    # With gradients where the peer has them; FlashInfer (no backward) checks its forward.
+    assert keys[:3] == [("flashqla", 2, 8, True), ("fla", 2, 8, True), ("flashinfer", 2, 8, False)]
+    for t in tasks:
+        first = t["layouts"][0] == C.CHECK_LAYOUT.name
+        assert first == (tuple(keys[tasks.index(t)]) in keys[:3])
+        assert t["layouts"].count(C.CHECK_LAYOUT.name) == first
+
+
+def _fake_runs(monkeypatch, outcome):
+    """_run_one replaced: each task waits for its own event, then returns outcome(spec)."""
+    import threading
+
+    gates, started = {}, []
+
+    def fake_run(spec, timeout_s):
+        key = (spec["contender"], spec["Hq"], spec["Hv"], spec["grad"])
+        started.append(key)
+        gates.setdefault(key, threading.Event()).wait(10)
+        return outcome(spec)
+
+    monkeypatch.setattr(P, "_run_one", fake_run)
+    monkeypatch.delenv(P.MARKER_ENV, raising=False)
+    return gates, started
+
+
+def test_warmup_reports_each_task_as_it_ends(monkeypatch):
+    import threading
+
+    gates, _ = _fake_runs(monkeypatch, lambda spec: dict(spec, s=1.0, calls=[{"layout": "1x2048", "status": "ok"}]))
+    tasks = [dict(contender="flashqla", Hq=2, Hv=8, grad=False, layouts=["1x2048"]),
+             dict(contender="fla", Hq=2, Hv=8, grad=False, layouts=["1x2048"])]
+    for t in tasks:
+        gates[(t["contender"], 2, 8, False)] = threading.Event()
+    w = P.Warmup(tasks, 2, 60, say=lambda m: None)
+    assert not w.ready("flashqla", 2, 8, False) and not w.ready("fla", 2, 8, False)
+    assert w.ready("flashinfer", 2, 8, False)  # no task: nothing to wait for
+    assert w.pending() == 2
+    gates[("fla", 2, 8, False)].set()
+    assert w.wait(10)
+    assert w.ready("fla", 2, 8, False) and not w.ready("flashqla", 2, 8, False) and w.pending() == 1
+    assert not w.wait(0.05)  # times out: the other task is still running
+    gates[("flashqla", 2, 8, False)].set()
+    w.join()
+    assert w.pending() == 0 and not w.wait(0.05)
+    assert P.warmed(w.summary()) == {("flashqla", 2, 8, False), ("fla", 2, 8, False)}
+
+
+def test_warmup_skips_gradient_tasks_after_a_refused_backward(monkeypatch):
+    def outcome(spec):
+        if spec["grad"]:
+            return dict(spec, s=1.0, calls=[{"layout": "3seq", "status": "refused: RuntimeError: no backward"}])
+        return dict(spec, s=1.0, calls=[{"layout": "1x2048", "status": "ok"}])
+
+    gates, started = _fake_runs(monkeypatch, outcome)
+    import threading
+    for hv in (8, 16):
+        gates[("fla", 2, hv, True)] = threading.Event()
+    gates[("fla", 2, 8, True)].set()
+    tasks = [dict(contender="fla", Hq=2, Hv=8, grad=True, layouts=["3seq"]),
+             dict(contender="fla", Hq=2, Hv=16, grad=True, layouts=["1x8192"])]
+    w = P.Warmup(tasks, 1, 60, say=lambda m: None)  # one process: the second starts after the first
+    w.join()
+    assert started == [("fla", 2, 8, True)]
+    s = w.summary()["tasks"]
+    assert s[1]["skipped"].startswith("backward refused on an earlier task")
+    assert w.ready("fla", 2, 16, True)
+
+
+def test_drain_runs_ready_items_in_order_and_waits_for_the_rest():
+    from flashgdn.bench.cli import drain
+
+    ready = {"a", "b"}
+    ran, skipped, waits = [], [], []
+
+    def wait():
+        waits.append(len(ran))
+        ready.add("c")  # the warm-up moved on
+
+    drain(["a", "c", "b"], lambda x: x in ready, ran.append, skipped.append, lambda: False, wait)
+    assert ran == ["a", "b", "c"] and waits == [2] and not skipped
+    ran.clear()
+    clock = iter([False, True, True])
+    drain(["a", "b", "c"], lambda x: True, ran.append, skipped.append, lambda: next(clock), wait)
+    assert ran == ["a"] and skipped == ["b", "c"]

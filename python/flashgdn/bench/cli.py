@@ -9,15 +9,16 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from . import configs as C
 from . import report
 
-CHECK_LAYOUT = C.Layout("varlen", (101, 539, 384), label="3seq(101+539+384)")
+CHECK_LAYOUT = C.CHECK_LAYOUT
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
@@ -47,7 +48,8 @@ def _parse(argv):
                    help="only the accuracy check (one small call per contender) on the first selected cell's heads")
     p.add_argument("--list", action="store_true", help="print the selected cells and a time estimate; no GPU")
     p.add_argument("--prewarm", type=int, default=-1, metavar="N",
-                   help="compile the peers' kernels for the selection in N parallel processes before timing "
+                   help="compile the peers' kernels for the selection in N background processes; each "
+                        "contender is timed on a head configuration once its kernels are compiled "
                         "(default: min(16, CPUs); 0: off, each first call compiles in the timed process)")
     p.add_argument("--workers", type=int, default=None, help="with the prewarm command: processes (as --prewarm)")
     return p.parse_args(argv)
@@ -134,11 +136,23 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     return h
 
 
-def _prewarm_tasks(cells, names, loaded: Dict) -> List[Dict]:
+def check_key(a, cells: List[C.Cell]):
+    """(Hq, Hv, with gradients) of the accuracy check, or None without one. With gradients when
+    any selected cell has them, on the first head configuration that has backward cells (its
+    warm-up task compiles the kernels with gradients); else on the first cell's."""
+    if a.no_check or not cells:
+        return None
+    grads = any(c.mode != "fwd" for c in cells)
+    first = next(c for c in cells if c.mode != "fwd") if grads else cells[0]
+    return (first.Hq, first.Hv, grads)
+
+
+def _prewarm_tasks(cells, names, loaded: Dict, check) -> List[Dict]:
     """The compile warm-up's tasks for the contenders that loaded (prewarm.plan)."""
     from .prewarm import plan
 
-    return plan(cells, [n for n in names if loaded[n][0] is not None], lambda n, c: loaded[n][0].refuses(c))
+    return plan(cells, [n for n in names if loaded[n][0] is not None], lambda n, c: loaded[n][0].refuses(c),
+                check=check)
 
 
 def _versions(loaded: Dict) -> Dict[str, str]:
@@ -220,6 +234,25 @@ def accuracy_check(torch, c, inp: Dict, ref: Dict, with_grads: bool) -> Dict:
     return res
 
 
+def drain(queue: List, is_ready: Callable, run: Callable, skip: Callable, out_of_time: Callable,
+          wait: Callable) -> None:
+    """Runs the items of ``queue`` in their order as they become ready: each pass runs every
+    ready item (skips every item once out of time) and keeps the others for the next pass; a
+    pass that runs nothing first waits (``wait``: until the warm-up moves on)."""
+    while queue:
+        left = []
+        for item in queue:
+            if out_of_time():
+                skip(item)
+            elif is_ready(item):
+                run(item)
+            else:
+                left.append(item)
+        if left and len(left) == len(queue):
+            wait()
+        queue = left
+
+
 def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -235,8 +268,8 @@ def main(argv=None) -> int:
         for c in cells:
             print(f"{c.mode:7s} {c.heads:6s} {c.layout.name}")
         print(f"{len(cells)} cells, {len({(c.Hq, c.Hv) for c in cells})} head configurations, "
-              f"estimated {C.estimate_s(cells) / 60:.1f} min on a fresh 16-core machine (peers' compile "
-              f"warm-up in 16 processes, then ~{C.S_PER_CELL['fwd']:.0f} s per cell)")
+              f"estimated {C.estimate_s(cells) / 60:.1f} min on a fresh 16-core machine (the peers compile "
+              f"in 16 background processes while the cells are timed, ~{C.S_PER_CELL['fwd']:.0f} s per cell)")
         return 0
 
     t_start = time.monotonic()
@@ -270,205 +303,258 @@ def main(argv=None) -> int:
         except Exception as e:
             loaded[n] = (None, f"{type(e).__name__}: {e}")
 
+    check = check_key(a, cells)
+    if a.check_only:  # the warm-up compiles for the check's shape and the one cell its task needs
+        cells = [c for c in cells if check and (c.Hq, c.Hv, c.mode != "fwd") == check][:1]
+    from . import prewarm as P
     if standalone_prewarm:
-        from . import prewarm as P
         workers = a.workers or (a.prewarm if a.prewarm > 0 else P.default_workers())
-        tasks = _prewarm_tasks(cells, names, loaded)
+        tasks = _prewarm_tasks(cells, names, loaded, check)
         s = P.prewarm(tasks, workers, timeout_s=a.budget_s, versions=_versions(loaded))
         print(f"prewarm: {len(tasks)} tasks, {s['wall_s']} s on {workers} processes, "
               f"{len(P.warmed(s))} without an error")
         return 0
-    pre_lines: List[str] = []
-    pre = None
-    workers = a.prewarm if a.prewarm >= 0 else None
-    if workers != 0:
-        from . import prewarm as P
-        tasks = _prewarm_tasks(cells[:1] if a.check_only else cells, names, loaded)
-        if tasks:
-            pre = P.prewarm(tasks, workers or P.default_workers(),
-                            timeout_s=max(60.0, a.budget_s - (time.monotonic() - t_start) - 120.0),
-                            say=lambda m: (pre_lines.append(m), print(m, file=sys.stderr, flush=True)),
-                            versions=_versions(loaded))
+
+    # The device's ceilings first, before any warm-up process touches the GPU.
     ceilings = measure_ceilings()
     hdr = header(a, torch, loaded, ceilings)
-    if pre is not None:
-        hdr["prewarm"] = pre
     out_dir = Path(a.out) if a.out else report.default_out_dir(hdr)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "log.txt", "a")
+    log_lock = threading.Lock()
 
-    def say(msg: str):
-        log.write(msg + "\n")
-        log.flush()
-        if tqdm is not None:
-            tqdm.write(msg, file=sys.stderr)
-        else:
-            print(msg, file=sys.stderr)
+    def say(msg: str, to_log_only: bool = False):  # also called from the warm-up's threads
+        with log_lock:
+            log.write(msg + "\n")
+            log.flush()
+            if to_log_only:
+                pass
+            elif tqdm is not None:
+                tqdm.write(msg, file=sys.stderr)
+            else:
+                print(msg, file=sys.stderr)
 
     say(f"# {hdr['date']} {hdr['gpu']} torch {hdr['torch']} cuda {hdr['cuda']}; {len(cells)} cells; "
         f"copy {hdr['copy_GBps']} GB/s, bf16 {hdr['bf16_TFLOPs']} TFLOP/s")
     for n, v in hdr["contenders"].items():
         say(f"#   {n}: {v}")
-    for line in pre_lines:
-        log.write(line + "\n")
+
+    warm = None
+    workers = a.prewarm if a.prewarm >= 0 else P.default_workers()
+    if workers != 0:
+        tasks = _prewarm_tasks(cells, names, loaded, check)
+        if tasks:
+            warm = P.Warmup(tasks, workers, say=say, versions=_versions(loaded),
+                            timeout_s=max(60.0, a.budget_s - (time.monotonic() - t_start) - 30.0))
+
+    def ready(n: str, hq: int, hv: int, grad: bool) -> bool:
+        return warm is None or warm.ready(n, hq, hv, grad)
 
     rows: List[Dict] = []
     acc: Dict[str, Dict] = {}
-    state = {"poisoned": None}
-    seen_heads_pre: Dict[str, set] = {}
+    state = {"poisoned": None, "flushed": time.monotonic()}
 
-    def flush():
+    def flush(force: bool = False):
+        if not force and time.monotonic() - state["flushed"] < 15.0:
+            return
+        if warm is not None:
+            hdr["prewarm"] = warm.summary()
+        rows.sort(key=report.matrix_order)
         report.write_all(out_dir, hdr, rows, acc)
+        state["flushed"] = time.monotonic()
 
-    # ---- accuracy check on one small shape ---------------------------------------------
-    if not a.no_check and cells:
-        grads = any(c.mode != "fwd" for c in cells)
-        # With gradients, a head configuration that has backward cells: the warm-up compiled its
-        # kernels with gradients, so the check does not compile them in this process.
-        first = next(c for c in cells if c.mode != "fwd") if grads else cells[0]
-        hq, hv = first.Hq, first.Hv
+    # ---- accuracy check on one small shape, per contender once its kernels are compiled ----
+    inp = ref = None
+    if check is not None:
+        hq, hv, grads = check
         inp = make_inputs(hq, hv, CHECK_LAYOUT, seed=7, requires_grad=grads, with_grads_out=True)
         t0 = time.perf_counter()
         ref = oracle(inp, grads)
         hdr["oracle"] = ref.pop("oracle")
         hdr["check_shape"] = f"Hq/Hv {hq}/{hv}, varlen {CHECK_LAYOUT.name}, T = {CHECK_LAYOUT.total}"
         say(f"# oracle: {hdr['oracle']} ({time.perf_counter() - t0:.1f} s); check shape {hdr['check_shape']}")
-        for n, (obj, why) in loaded.items():
-            if obj is None:
-                acc[n] = {"status": f"not installed: {why}"}
-                continue
-            try:
-                r = accuracy_check(torch, obj, inp, ref, grads)
-                r["status"] = "ok"
-                if grads and not obj.has_backward:
-                    r["status"] = "ok (forward only: no backward)"
-                elif grads and r.get("grad_status") != "ok":
-                    r["status"] = f"ok forward; backward {r['grad_status']}"
-                acc[n] = r
-                say(f"  check {n}: " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
-                                                   for k, v in r.items()))
-            except Exception as e:
-                acc[n] = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
-                say(f"  check {n}: {acc[n]['status']}")
-                log.write(traceback.format_exc())
-                if _poisoned(e):
-                    state["poisoned"] = f"CUDA context lost in {n}'s accuracy check"
-            if grads and obj is not None and obj.has_backward:
-                for t in ("q", "k", "v", "g", "beta", "h0"):
-                    inp[t].grad = None
-        del inp, ref
-        for n, (obj, _) in loaded.items():  # the check compiled these heads' kernels already
-            if obj is not None and acc.get(n, {}).get("status", "").startswith("ok"):
-                seen_heads_pre.setdefault(n, set()).add((hq, hv, False))
-                if grads and obj.has_backward and acc[n].get("grad_status") == "ok":
-                    seen_heads_pre[n].add((hq, hv, True))
+
+    def run_check(n: str):
+        obj, why = loaded[n]
+        if obj is None:
+            acc[n] = {"status": f"not installed: {why}"}
+            return
+        hq, hv, grads = check
+        try:
+            r = accuracy_check(torch, obj, inp, ref, grads)
+            r["status"] = "ok"
+            if grads and not obj.has_backward:
+                r["status"] = "ok (forward only: no backward)"
+            elif grads and r.get("grad_status") != "ok":
+                r["status"] = f"ok forward; backward {r['grad_status']}"
+            acc[n] = r
+            say(f"  check {n}: " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in r.items()))
+        except Exception as e:
+            acc[n] = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
+            say(f"  check {n}: {acc[n]['status']}")
+            say(traceback.format_exc(), to_log_only=True)
+            if _poisoned(e):
+                state["poisoned"] = f"CUDA context lost in {n}'s accuracy check"
+        if grads and obj.has_backward:
+            for t in ("q", "k", "v", "g", "beta", "h0"):
+                inp[t].grad = None
         gc.collect()
         torch.cuda.empty_cache()
-        flush()
 
-    if a.check_only:
-        cells = []
     # ---- timing ---------------------------------------------------------------------------
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
     rotate_bytes = (a.rotate_mb * 2 ** 20) if a.rotate_mb else 2 * l2
-    seen_heads = {n: set(seen_heads_pre.get(n, ())) for n in names}
-    if pre is not None:
-        from .prewarm import warmed
-        for n, hq, hv, grad in warmed(pre):
-            seen_heads[n].add((hq, hv, grad))
-    total = sum(1 for _ in cells) * len(names)
-    bar = tqdm(total=total, file=sys.stderr, mininterval=2.0, dynamic_ncols=True) if tqdm else None
     stream = torch.cuda.Stream()
+    cur = {"i": None, "sets": None}  # the input sets of the cell measured last
 
-    # Everything imported so far (torch, the peers' compilers) stays alive to the end: freeze it,
-    # so that the gc.collect() after each measurement scans only what the cells allocate (a full
-    # collection over the peers' modules costs ~0.1-0.5 s, five times per cell).
-    gc.collect()
-    gc.freeze()
-    for cell in cells:
+    def base_row(cell: C.Cell, n: str) -> Dict:
         lay = cell.layout
         flop, nbytes = floor_counts(cell.Hq, cell.Hv, lay, cell.mode)
         floor_ms = max(flop / ceilings["bf16_flop_per_s"], nbytes / ceilings["copy_bytes_per_s"]) * 1e3
-        base = dict(config=cell.heads, Hq=cell.Hq, Hv=cell.Hv, layout=lay.name, kind=lay.kind,
-                    nseq=lay.nseq, T_total=lay.total, mode=cell.mode, floor_ms=floor_ms,
-                    floor_flop=flop, floor_bytes=nbytes)
-        sets = None
+        row = dict(config=cell.heads, Hq=cell.Hq, Hv=cell.Hv, layout=lay.name, kind=lay.kind, nseq=lay.nseq,
+                   T_total=lay.total, mode=cell.mode, floor_ms=floor_ms, floor_flop=flop, floor_bytes=nbytes,
+                   contender=n, status="", reason="", ms=float("nan"), method="", reps=0, spread=float("nan"),
+                   mem_mib=float("nan"), first_call_s=float("nan"), floor_frac=float("nan"))
+        a_res = acc.get(n, {})
+        row["err_o"] = a_res.get("o", float("nan"))
+        row["err_ht"] = a_res.get("ht", float("nan"))
+        gerr = [a_res[g] for g in GRAD_NAMES if isinstance(a_res.get(g), float)]
         grad = cell.mode != "fwd"
-        for n in names:
-            obj, why = loaded[n]
-            row = dict(base, contender=n, status="", reason="", ms=float("nan"), method="", reps=0,
-                       spread=float("nan"), mem_mib=float("nan"), first_call_s=float("nan"),
-                       floor_frac=float("nan"))
-            a_res = acc.get(n, {})
-            row["err_o"] = a_res.get("o", float("nan"))
-            row["err_ht"] = a_res.get("ht", float("nan"))
-            gerr = [a_res[g] for g in GRAD_NAMES if isinstance(a_res.get(g), float)]
-            row["err_grad"] = max(gerr) if gerr and grad else float("nan")
-            errs = [row["err_o"], row["err_ht"]] + ([row["err_grad"]] if grad else [])
-            errs = [e for e in errs if e == e]
-            row["error"] = max(errs) if errs else float("nan")
-            elapsed = time.monotonic() - t_start
-            t_cell = time.monotonic()
-            new_heads = (cell.Hq, cell.Hv, grad) not in seen_heads[n]
-            need = (150.0 if new_heads and n in ("flashqla", "fla") else 20.0)
-            if obj is None:
-                row.update(status="not installed", reason=why)
-            elif state["poisoned"]:
-                row.update(status="skipped", reason=state["poisoned"])
-            elif (r := obj.refuses(cell)) is not None:
-                row.update(status="refused", reason=r)
-            elif grad and str(a_res.get("grad_status", "ok")).startswith("refused"):
-                # Its backward refused on the check shape for a reason that is not about the shape
-                # (e.g. FLA's guard against its gated backward on Hopper with this Triton).
-                row.update(status="refused", reason=f"backward refused in the accuracy check: "
-                                                    f"{a_res['grad_status'][len('refused: '):]}")
-            elif elapsed + need > a.budget_s:
-                row.update(status="skipped", reason=f"time budget ({a.budget_s:.0f} s) reached")
-            else:
-                try:
-                    if sets is None:
-                        probe = make_inputs(cell.Hq, cell.Hv, lay, seed=0, requires_grad=grad, with_grads_out=grad)
-                        nsets = int(max(2, min(32, -(-rotate_bytes // set_bytes(probe)))))
-                        sets = [probe] + [make_inputs(cell.Hq, cell.Hv, lay, seed=s, requires_grad=grad,
-                                                      with_grads_out=grad, cu=probe["cu"])
-                                          for s in range(1, nsets)]
-                    xs = [obj.convert(s) for s in sets]
-                    fns = [make_fn(torch, obj, x, cell.mode, stream) for x in xs]
-                    seen_heads[n].add((cell.Hq, cell.Hv, grad))
-                    row["first_call_s"] = first_call_s(fns[0])
-                    t = time_calls(fns, use_graph=not a.no_graph, target_ms=a.target_ms, stream=stream)
-                    row.update(status="ok", ms=t.ms, method=t.method, reps=t.reps, spread=t.spread,
-                               mem_mib=t.mem_mib, floor_frac=floor_ms / t.ms, nsets=len(fns))
-                    row["tflops"] = flop / (t.ms * 1e-3) / 1e12
-                    row["gbps"] = nbytes / (t.ms * 1e-3) / 1e9
-                except Exception as e:
-                    row.update(status=classify(e), reason=f"{type(e).__name__}: {str(e)[:300]}")
-                    log.write(f"--- {cell.key} {n}\n{traceback.format_exc()}\n")
-                    if _poisoned(e):
-                        state["poisoned"] = f"CUDA context lost after {n} failed on {cell.key}"
-                finally:
-                    xs = fns = None
+        row["err_grad"] = max(gerr) if gerr and grad else float("nan")
+        errs = [row["err_o"], row["err_ht"]] + ([row["err_grad"]] if grad else [])
+        errs = [e for e in errs if e == e]
+        row["error"] = max(errs) if errs else float("nan")
+        return row
+
+    def not_run(cell: C.Cell, n: str):
+        """Why (status, reason) this contender is not timed on this cell, or None."""
+        obj, why = loaded[n]
+        a_res = acc.get(n, {})
+        if obj is None:
+            return "not installed", why
+        if state["poisoned"]:
+            return "skipped", state["poisoned"]
+        if (r := obj.refuses(cell)) is not None:
+            return "refused", r
+        if cell.mode != "fwd" and str(a_res.get("grad_status", "ok")).startswith("refused"):
+            # Its backward refused on the check shape for a reason that is not about the shape
+            # (e.g. FLA's guard against its gated backward on Hopper with this Triton).
+            return "refused", f"backward refused in the accuracy check: {a_res['grad_status'][len('refused: '):]}"
+        return None
+
+    def measure(i: int, n: str):
+        cell = cells[i]
+        lay, grad = cell.layout, cell.mode != "fwd"
+        obj = loaded[n][0]
+        row = base_row(cell, n)
+        t_cell = time.monotonic()
+        why = not_run(cell, n)
+        if why is not None:
+            row.update(status=why[0], reason=why[1])
+        else:
+            row["warmup_running"] = warm.running() if warm is not None else 0
+            xs = fns = None
+            try:
+                if cur["i"] != i:
+                    cur["i"], cur["sets"] = None, None
                     gc.collect()
-                    try:
-                        torch.cuda.synchronize()
-                        torch.cuda.empty_cache()
-                    except Exception as e2:
-                        state["poisoned"] = state["poisoned"] or f"CUDA context lost: {e2}"
-            row["wall_s"] = time.monotonic() - t_cell  # harness cost of this measurement, all included
+                    probe = make_inputs(cell.Hq, cell.Hv, lay, seed=0, requires_grad=grad, with_grads_out=grad)
+                    nsets = int(max(2, min(32, -(-rotate_bytes // set_bytes(probe)))))
+                    cur["sets"] = [probe] + [make_inputs(cell.Hq, cell.Hv, lay, seed=s, requires_grad=grad,
+                                                         with_grads_out=grad, cu=probe["cu"])
+                                             for s in range(1, nsets)]
+                    cur["i"] = i
+                xs = [obj.convert(s) for s in cur["sets"]]
+                fns = [make_fn(torch, obj, x, cell.mode, stream) for x in xs]
+                row["first_call_s"] = first_call_s(fns[0])
+                t = time_calls(fns, use_graph=not a.no_graph, target_ms=a.target_ms, stream=stream)
+                flop, nbytes = row["floor_flop"], row["floor_bytes"]
+                row.update(status="ok", ms=t.ms, method=t.method, reps=t.reps, spread=t.spread,
+                           mem_mib=t.mem_mib, floor_frac=row["floor_ms"] / t.ms, nsets=len(fns))
+                row["tflops"] = flop / (t.ms * 1e-3) / 1e12
+                row["gbps"] = nbytes / (t.ms * 1e-3) / 1e9
+            except Exception as e:
+                row.update(status=classify(e), reason=f"{type(e).__name__}: {str(e)[:300]}")
+                say(f"--- {cell.key} {n}\n{traceback.format_exc()}", to_log_only=True)
+                if _poisoned(e):
+                    state["poisoned"] = f"CUDA context lost after {n} failed on {cell.key}"
+            finally:
+                xs = fns = None
+                gc.collect()
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                except Exception as e2:
+                    state["poisoned"] = state["poisoned"] or f"CUDA context lost: {e2}"
+        row["wall_s"] = time.monotonic() - t_cell  # harness cost of this measurement, all included
+        rows.append(row)
+        ms = f"{row['ms']:.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['reason'][:100]}"
+        say(f"{cell.mode:6s} {cell.heads:6s} {lay.name:28s} {n:10s} {ms}"
+            + (f"  (first {row['first_call_s']:.1f} s, {row['method'][:40]})" if row["status"] == "ok" else ""))
+
+    # ---- the schedule: whatever is ready, in matrix order; wait for the warm-up otherwise ----
+    # A contender's cells come after its check; a contender is timed on a head configuration
+    # once its warm-up task for it has ended (or there is none: flashgdn, refused cells).
+    queue = [("check", n) for n in names] if check is not None else []
+    if not a.check_only:
+        queue += [(i, n) for i in range(len(cells)) for n in names]
+    checked = set()
+
+    def is_ready(item) -> bool:
+        what, n = item
+        if what == "check":
+            hq, hv, grads = check
+            return loaded[n][0] is None or (ready(n, hq, hv, grads) and ready(n, hq, hv, False))
+        if check is not None and n not in checked:
+            return False
+        cell = cells[what]
+        return not_run(cell, n) is not None or ready(n, cell.Hq, cell.Hv, cell.mode != "fwd")
+
+    bar = tqdm(total=sum(1 for q in queue if q[0] != "check"), file=sys.stderr, mininterval=2.0,
+               dynamic_ncols=True) if tqdm else None
+    def out_of_time() -> bool:
+        return time.monotonic() - t_start + 20.0 > a.budget_s
+
+    def skip(item):
+        what, n = item
+        if what != "check":
+            row = base_row(cells[what], n)
+            row.update(status="skipped", reason=f"time budget ({a.budget_s:.0f} s) reached", wall_s=0.0)
             rows.append(row)
-            ms = f"{row['ms']:.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['reason'][:100]}"
-            say(f"{cell.mode:6s} {cell.heads:6s} {lay.name:28s} {n:10s} {ms}"
-                + (f"  (first {row['first_call_s']:.1f} s, {row['method'][:40]})" if row["status"] == "ok" else ""))
             if bar:
                 bar.update(1)
-        sets = None
-        gc.collect()
-        torch.cuda.empty_cache()
+
+    def run(item):
+        what, n = item
+        if what == "check":
+            run_check(n)
+            checked.add(n)
+        else:
+            measure(what, n)
+            if bar:
+                bar.update(1)
         flush()
+
+    def wait():
+        if warm is None or not warm.pending():  # nothing can become ready: a bug, not a wait
+            raise RuntimeError("flashgdn.bench: items not ready with no warm-up task left")
+        warm.wait(timeout=max(1.0, a.budget_s - (time.monotonic() - t_start)))
+
+    # Everything imported so far (torch, the peers' compilers) stays alive to the end: freeze it,
+    # so that the gc.collect() after each measurement scans only what the cells allocate (a full
+    # collection over the peers' modules costs ~0.1-0.5 s, several times per cell).
+    gc.collect()
+    gc.freeze()
+    drain(queue, is_ready, run, skip, out_of_time, wait)
+    cur["sets"] = None
+    inp = ref = None  # free the check's tensors
     if bar:
         bar.close()
+    if warm is not None:
+        warm.close()  # tasks nobody waits for any more (e.g. all their cells skipped)
     hdr["wall_s"] = round(time.monotonic() - t_start, 1)
-    flush()
+    flush(force=True)
     report.write_all(out_dir, hdr, rows, acc, plots=True)
     print(report.summary_text(hdr, rows, acc))
     print(f"\nresults: {out_dir}")

@@ -19,7 +19,7 @@ MODE_TITLE = {"fwd": "Forward (inference: no saved state)", "bwd": "Backward alo
 CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode", "contender", "status",
               "reason", "ms", "speedup_of_flashgdn", "method", "reps", "spread", "nsets", "error", "err_o",
               "err_ht", "err_grad", "mem_mib", "first_call_s", "floor_ms", "floor_frac", "tflops", "gbps",
-              "floor_flop", "floor_bytes", "wall_s"]
+              "floor_flop", "floor_bytes", "wall_s", "warmup_running"]
 
 
 def _repo_root() -> Optional[Path]:
@@ -177,6 +177,12 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
         for n, ms in methods.items():
             for m, where in ms.items():
                 L.append(f"- {n}: {m} ({len(where)} cells{', e.g. ' + where[0] if len(where) else ''})")
+        busy = [r for r in ok_rows if (r.get("warmup_running") or 0) > 0]
+        if busy:
+            L.append(f"- {len(busy)} of {len(ok_rows)} measurements were taken while warm-up processes "
+                     "compiled in the background (column `warmup_running` in results.csv: how many); "
+                     "they use the GPU only for one call after each compile, and each number is the "
+                     "median of many replays.")
         L.append("")
     return "\n".join(L)
 
@@ -186,13 +192,14 @@ def prewarm_section(hdr: Dict) -> List[str]:
     pre = hdr.get("prewarm")
     if not pre or not pre.get("tasks"):
         return []
-    L = ["## Compile-cache warm-up (before timing; nothing here is timed)", "",
-         f"{len(pre['tasks'])} tasks, {pre.get('workers')} processes at a time, wall {pre.get('wall_s')} s. "
-         "Each task is one process that calls one peer once on every layout of its head configuration "
-         "(with gradients for fwd+bwd), so that the timed process loads compiled kernels from the "
-         "on-disk caches. Seconds are per task with up to that many compiles sharing the CPU, so they "
-         "overstate a lone cold compile; first-call times in the tables below are cache loads (and "
-         "FLA's autotuning, which is not carried over from these processes).", "",
+    L = ["## Compile-cache warm-up (worker processes; nothing there is timed)", "",
+         f"{len(pre['tasks'])} tasks, {pre.get('workers')} processes at a time, the last ending at "
+         f"{pre.get('wall_s')} s. Each task is one process (niceness 19) that calls one peer once on every "
+         "layout of its head configuration (with gradients for fwd+bwd), so that the timed process loads "
+         "compiled kernels from the on-disk caches; the timed process times each contender on a head "
+         "configuration once that task has ended, and others meanwhile. Seconds are per task with up to "
+         "that many compiles sharing the CPU, so they overstate a lone cold compile; first-call times in "
+         "the tables below are cache loads (and FLA's autotuning, which the workers do not time).", "",
          "| contender | Hq/Hv | with grads | s | calls | not ok |", "|---|---|---|---|---|---|"]
     for t in pre["tasks"]:
         calls = t.get("calls") or []
@@ -200,6 +207,8 @@ def prewarm_section(hdr: Dict) -> List[str]:
         why = t.get("error") or (f"{len(bad)}: {bad[0]['layout']} {bad[0]['status'][:120]}" if bad else "")
         if t.get("cached"):
             why = "skipped: done before on this machine's compile caches (marker)"
+        elif t.get("skipped"):
+            why = f"skipped: {t['skipped']}"
         L.append(f"| {t['contender']} | {t['Hq']}/{t['Hv']} | {'yes' if t['grad'] else 'no'} | "
                  f"{_fmt(t.get('s'), 1)} | {len(calls)} | {why} |")
     L.append("")
@@ -392,7 +401,7 @@ def merge(dirs: List[str]):
             if key not in rows or (not _ok(rows[key]) and _ok(r)):
                 rows[key] = r
     hdr["parts"] = "; ".join(parts)
-    merged = sorted(rows.values(), key=_matrix_order)
+    merged = sorted(rows.values(), key=matrix_order)
     hdr["flashgdn_commit"] = ", ".join(str(c) for c in commits)
     hdr["argv"] = "per part, see parts"
     hdr["copy_GBps"] = f"{hdr.get('copy_GBps')} (first part; each row's floor uses its own part's)"
@@ -405,7 +414,7 @@ def merge(dirs: List[str]):
     return hdr, merged, acc
 
 
-def _matrix_order(r: Dict):
+def matrix_order(r: Dict):
     """Rows of merged parts in the order of the matrix (configs.py): mode, heads, layout, contender."""
     from . import configs as C
 
