@@ -236,3 +236,56 @@ def test_drain_runs_ready_items_in_order_and_waits_for_the_rest():
     clock = iter([False, True, True])
     drain(["a", "b", "c"], lambda x: True, ran.append, skipped.append, lambda: next(clock), wait)
     assert ran == ["a"] and skipped == ["b", "c"]
+
+
+def _proc_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _children(pid):
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def test_quiet_stops_the_warm_up_processes_and_continues_them(monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        import pytest
+        pytest.skip("reads /proc")
+    monkeypatch.setattr(P, "DRAIN_S", 0.0)
+    # A worker and a child of it (as a compiler would be): both in the worker's process group.
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                          "subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"],
+                         start_new_session=True)
+    try:
+        time.sleep(0.5)
+        child = _children(p.pid)[0]
+        with P._LIVE_LOCK:
+            P._LIVE.add(p)
+        w = P.Warmup([], 1, 60, say=lambda m: None)
+        with w.quiet() as n:
+            assert n == 1
+            time.sleep(0.2)
+            assert _proc_state(p.pid) == "T" and _proc_state(child) == "T"
+            assert P._PAUSED[0]
+        time.sleep(0.2)
+        assert _proc_state(p.pid) != "T" and _proc_state(child) != "T"
+        assert not P._PAUSED[0]
+    finally:
+        with P._LIVE_LOCK:
+            P._LIVE.discard(p)
+        P._signal_group(p, 9)
+        p.wait()

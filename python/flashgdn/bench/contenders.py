@@ -43,6 +43,7 @@ def _dist_version(*names: str) -> str:
 class Contender:
     name = "?"
     has_backward = True
+    tunes_on_first_call = False  # times candidate kernels on its first call per shape (autotuning)
     graph_note = ""  # why CUDA graphs may not apply, filled in by the run
 
     def load(self) -> None:
@@ -114,6 +115,7 @@ class FlashQLA(Contender):
 
 class FLA(Contender):
     name = "fla"
+    tunes_on_first_call = True  # Triton's autotuner: the harness keeps the GPU to itself meanwhile
 
     def load(self):
         os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"  # time FLA's own Triton kernels

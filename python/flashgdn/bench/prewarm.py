@@ -29,9 +29,11 @@ caches (the same machine, or caches carried from one) skips the tasks that have 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -46,8 +48,11 @@ PEER_ORDER = ("flashqla", "fla", "flashinfer")  # slowest compilers first
 RESULT_TAG = "PREWARM-RESULT "
 MARKER_ENV = "FLASHGDN_PREWARM_DIR"
 NICE = 19  # worker processes' niceness
-_LIVE: set = set()  # worker processes running now (Warmup.close kills them)
-_LIVE_LOCK = threading.Lock()
+_LIVE: set = set()  # worker processes running now, each leading its own process group
+_LIVE_LOCK = threading.Condition()
+_PAUSED = [False]    # while set (quiet), no worker process starts
+DRAIN_S = 0.03       # after stopping the workers: the GPU work they queued (a few ms) drains
+MAX_PAUSE_S = 60.0   # the workers continue after this long in any case
 
 
 def known_layouts() -> Dict[str, C.Layout]:
@@ -177,6 +182,13 @@ def task_main(arg: str) -> int:
     return 0
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _run_one(spec: Dict, timeout_s: float) -> Dict:
     env = dict(os.environ, FLA_CACHE_RESULTS="0")
     # ``python -m flashgdn.bench`` normally; by path (``python python/flashgdn/bench``) where
@@ -184,13 +196,16 @@ def _run_one(spec: Dict, timeout_s: float) -> Dict:
     entry = ["-m", __package__] if __package__ == "flashgdn.bench" else [os.path.dirname(os.path.abspath(__file__))]
     cmd = [sys.executable, *entry, "prewarm-task", json.dumps(spec)]
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with _LIVE_LOCK:
+        _LIVE_LOCK.wait_for(lambda: not _PAUSED[0])
+        # Its own process group: quiet() stops it with the compilers it starts (nvcc, ptxas).
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
         _LIVE.add(p)
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        p.kill()
+        _signal_group(p, signal.SIGKILL)
         p.communicate()
         return dict(spec, s=round(time.perf_counter() - t0, 1), calls=[], error=f"timed out after {timeout_s:.0f} s")
     finally:
@@ -331,8 +346,40 @@ class Warmup:
             self._ex.shutdown(wait=False, cancel_futures=True)
         with _LIVE_LOCK:
             for p in list(_LIVE):
-                p.kill()
+                _signal_group(p, signal.SIGKILL)
         self.join()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Inside, no warm-up process runs: every worker's process group is stopped (SIGSTOP) and
+        the GPU work they had queued drains (DRAIN_S) before the caller goes on; they continue
+        (SIGCONT) on the way out, or after MAX_PAUSE_S should the caller hang. No worker starts
+        meanwhile. For what is timed: the samples of a measurement, and FLA's autotuning."""
+        with _LIVE_LOCK:
+            _PAUSED[0] = True
+            stopped = [p for p in _LIVE if p.poll() is None]
+            for p in stopped:
+                _signal_group(p, signal.SIGSTOP)
+
+        def resume():
+            with _LIVE_LOCK:
+                if not _PAUSED[0]:
+                    return
+                for p in stopped:
+                    _signal_group(p, signal.SIGCONT)
+                _PAUSED[0] = False
+                _LIVE_LOCK.notify_all()
+
+        timer = threading.Timer(MAX_PAUSE_S, resume)
+        timer.daemon = True
+        timer.start()
+        try:
+            if stopped:
+                time.sleep(DRAIN_S)
+            yield len(stopped)
+        finally:
+            timer.cancel()
+            resume()
 
     def summary(self) -> Dict:
         with self._cv:

@@ -2,6 +2,7 @@
 CUDA graph where the contender allows it (else eagerly, with the reason)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -101,11 +102,13 @@ def _spread(xs: List[float]) -> float:
 
 def time_calls(calls: List[Callable], use_graph: bool = True, target_ms: float = 300.0,
                min_reps: int = 10, max_reps: int = 200, stream: Optional[torch.cuda.Stream] = None,
-               mem_call: Optional[Callable] = None) -> Timed:
+               mem_call: Optional[Callable] = None, quiet: Optional[Callable] = None) -> Timed:
     """Median ms per call over ``calls`` (one per input set, rotated so the working set exceeds
     L2). Graph: one graph holds one call on every set; a replay's time / len(calls) is a sample.
     ``stream``: run warm-up and capture on it (the backward-only mode runs its forward there
-    first, so that autograd's backward ops land on the capturing stream)."""
+    first, so that autograd's backward ops land on the capturing stream). ``quiet``: a context
+    manager held while the samples are taken (the compile warm-up's processes stopped)."""
+    quiet = quiet or contextlib.nullcontext
     n = len(calls)
     s = stream or torch.cuda.Stream()
     cur = torch.cuda.current_stream()
@@ -127,9 +130,10 @@ def time_calls(calls: List[Callable], use_graph: bool = True, target_ms: float =
             graph.replay()
             torch.cuda.synchronize()
             reps = int(min(max_reps, max(5, target_ms / (est_ms * n))))
-            for _ in range(2):
-                graph.replay()
-            samples = [t / n for t in _events_ms(graph.replay, reps)]
+            with quiet():
+                for _ in range(2):
+                    graph.replay()
+                samples = [t / n for t in _events_ms(graph.replay, reps)]
             del keep
             del graph
             return Timed(statistics.median(samples), "graph", reps, _spread(samples), mem)
@@ -147,7 +151,7 @@ def time_calls(calls: List[Callable], use_graph: bool = True, target_ms: float =
         calls[i[0] % n]()
         i[0] += 1
 
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s), quiet():
         samples = _events_ms(one, reps)
     torch.cuda.synchronize()
     return Timed(statistics.median(samples), f"eager ({why})", reps, _spread(samples), mem)
