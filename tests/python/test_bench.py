@@ -34,7 +34,7 @@ def test_parts_cover_the_matrix_once_with_whole_head_configurations():
 def test_estimate_overlaps_the_warm_up_with_the_timing():
     one = [c for c in C.full_cells() if (c.Hq, c.Hv) == (4, 4)]  # forward only: 3 peers' forward tasks
     longest = C.PREWARM_TASK_S[("flashqla", False)]  # one task is longer than the three spread over 16
-    expect = C.S_START + max(longest + C.S_SLOWEST_SHARE * len(one), C.S_PER_CELL["fwd"] * len(one))
+    expect = C.S_START + max(longest + C.S_STOPPED_PER_CELL * len(one) + C.S_TAIL, C.S_PER_CELL["fwd"] * len(one))
     assert math.isclose(C.estimate_s(one, workers=16), expect)
     assert C.estimate_s(C.full_cells(), workers=1) > C.estimate_s(C.full_cells(), workers=16)
 

@@ -137,30 +137,33 @@ def quick_cells() -> List[Cell]:
     return cells
 
 
-# Cost model (seconds, H100 machine of 16 cores, 2026-11-23 runs in bench/results/h100-2026-11-23/full):
-# the peers compile per head configuration and per variant (with gradients or not). One
-# warm-up task (prewarm.py) per (peer, heads, gradients) took, cold, with 16 tasks sharing the
-# CPU: FlashQLA ~280 s forward / ~360 s with gradients, FLA ~140 s (most of it autotuning, which
-# the warm-up no longer times), FlashInfer ~30 s. Timing with warm caches: ~4 s per cell, all
-# contenders together (64 cells in 377 s, 68 in 377 s), of which FlashQLA's share ~0.6 s.
+# Cost model (seconds, H100 machine of 16 cores; bench/results/h100-2026-11-23/full-f7b609e):
+# the peers compile per head configuration and per variant (with gradients or not). One warm-up
+# task (prewarm.py) per (peer, heads, gradients) took, cold, with 16 tasks sharing the CPU:
+# FlashQLA ~230-290 s forward / ~260-340 s with gradients, FLA ~60-140 s, FlashInfer ~20-40 s.
+# The warm-up runs in the background, and stops while samples are taken and while FLA autotunes:
+# ~1.1 s per cell. Timing: ~1.5 s per cell, all contenders together; after the warm-up ends,
+# ~30 s of FlashQLA's last head configuration is left. Measured: 108 cells in 509 s, 116 in 470 s.
 PREWARM_TASK_S = {("flashqla", False): 280.0, ("flashqla", True): 360.0, ("fla", False): 140.0,
                   ("fla", True): 140.0, ("flashinfer", False): 30.0}
-S_PER_CELL = {"fwd": 4.0, "bwd": 4.0, "fwdbwd": 4.0}
-S_SLOWEST_SHARE = 0.6   # of S_PER_CELL: the slowest compiler's own measurements
-S_START = 30.0          # imports, device ceilings, the oracle
+S_PER_CELL = {"fwd": 1.5, "bwd": 1.5, "fwdbwd": 1.5}
+S_STOPPED_PER_CELL = 1.1  # the warm-up's processes stopped while a cell is measured
+S_TAIL = 30.0             # timing left when the warm-up ends
+S_START = 30.0            # imports, device ceilings, the oracle
 
 
 def estimate_s(cells: Sequence[Cell], workers: int = 16) -> float:
     """Cold-cache estimate. The warm-up runs in the background (prewarm.Warmup): its length is
-    the longer of its longest task and its CPU work spread over ``workers``; the cells of every
-    contender but the slowest compiler are timed meanwhile, and the slowest one's after its
-    tasks end."""
+    the longer of its longest task and its CPU work spread over ``workers``, plus the time it is
+    stopped for measurements; the cells are timed meanwhile as their tasks end."""
     tasks = {(n, c.Hq, c.Hv, c.mode != "fwd") for c in cells for n in ("flashqla", "fla", "flashinfer")
              if not (n == "flashinfer" and c.mode != "fwd")}
     costs = [PREWARM_TASK_S[(n, g)] for n, _, _, g in tasks]
     warm = max([sum(costs) / max(1, workers)] + costs) if costs else 0.0
     timed = sum(S_PER_CELL[c.mode] for c in cells)
-    return S_START + max(warm + S_SLOWEST_SHARE * len(cells), timed)
+    if not costs:
+        return S_START + timed
+    return S_START + max(warm + S_STOPPED_PER_CELL * len(cells) + S_TAIL, timed)
 
 
 def _work_s(cells: Sequence[Cell], workers: int = 16) -> float:

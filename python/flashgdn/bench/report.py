@@ -181,8 +181,8 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
         if busy:
             L.append(f"- {len(busy)} of {len(ok_rows)} measurements were taken while warm-up processes "
                      "compiled in the background (column `warmup_running` in results.csv: how many); "
-                     "they use the GPU only for one call after each compile, and each number is the "
-                     "median of many replays.")
+                     "those processes were stopped while the samples were taken (and while FLA "
+                     "autotuned).")
         L.append("")
     return "\n".join(L)
 
