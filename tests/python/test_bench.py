@@ -273,7 +273,7 @@ def test_quiet_stops_the_warm_up_processes_and_continues_them(monkeypatch):
     try:
         time.sleep(0.5)
         child = _children(p.pid)[0]
-        with P._LIVE_LOCK:
+        with P._LIVE_CV:
             P._LIVE.add(p)
         w = P.Warmup([], 1, 60, say=lambda m: None)
         with w.quiet() as n:
@@ -285,7 +285,7 @@ def test_quiet_stops_the_warm_up_processes_and_continues_them(monkeypatch):
         assert _proc_state(p.pid) != "T" and _proc_state(child) != "T"
         assert not P._PAUSED[0]
     finally:
-        with P._LIVE_LOCK:
+        with P._LIVE_CV:
             P._LIVE.discard(p)
         P._signal_group(p, 9)
         p.wait()

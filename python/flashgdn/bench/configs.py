@@ -152,12 +152,17 @@ S_TAIL = 30.0             # timing left when the warm-up ends
 S_START = 30.0            # imports, device ceilings, the oracle
 
 
+def _warmup_tasks(cells: Sequence[Cell]):
+    """The warm-up's tasks as (peer, Hq, Hv, with gradients); FlashInfer has no backward."""
+    return {(n, c.Hq, c.Hv, c.mode != "fwd") for c in cells for n in ("flashqla", "fla", "flashinfer")
+            if not (n == "flashinfer" and c.mode != "fwd")}
+
+
 def estimate_s(cells: Sequence[Cell], workers: int = 16) -> float:
     """Cold-cache estimate. The warm-up runs in the background (prewarm.Warmup): its length is
     the longer of its longest task and its CPU work spread over ``workers``, plus the time it is
     stopped for measurements; the cells are timed meanwhile as their tasks end."""
-    tasks = {(n, c.Hq, c.Hv, c.mode != "fwd") for c in cells for n in ("flashqla", "fla", "flashinfer")
-             if not (n == "flashinfer" and c.mode != "fwd")}
+    tasks = _warmup_tasks(cells)
     costs = [PREWARM_TASK_S[(n, g)] for n, _, _, g in tasks]
     warm = max([sum(costs) / max(1, workers)] + costs) if costs else 0.0
     timed = sum(S_PER_CELL[c.mode] for c in cells)
@@ -168,8 +173,7 @@ def estimate_s(cells: Sequence[Cell], workers: int = 16) -> float:
 
 def _work_s(cells: Sequence[Cell], workers: int = 16) -> float:
     """What a group of cells adds to a run: its warm-up CPU over ``workers`` and its timing."""
-    tasks = {(n, c.Hq, c.Hv, c.mode != "fwd") for c in cells for n in ("flashqla", "fla", "flashinfer")
-             if not (n == "flashinfer" and c.mode != "fwd")}
+    tasks = _warmup_tasks(cells)
     return sum(PREWARM_TASK_S[(n, g)] for n, _, _, g in tasks) / workers + sum(S_PER_CELL[c.mode] for c in cells)
 
 

@@ -49,7 +49,7 @@ RESULT_TAG = "PREWARM-RESULT "
 MARKER_ENV = "FLASHGDN_PREWARM_DIR"
 NICE = 19  # worker processes' niceness
 _LIVE: set = set()  # worker processes running now, each leading its own process group
-_LIVE_LOCK = threading.Condition()
+_LIVE_CV = threading.Condition()
 _PAUSED = [False]    # while set (quiet), no worker process starts
 DRAIN_S = 0.03       # after stopping the workers: the GPU work they queued (a few ms) drains
 MAX_PAUSE_S = 60.0   # the workers continue after this long in any case
@@ -196,8 +196,8 @@ def _run_one(spec: Dict, timeout_s: float) -> Dict:
     entry = ["-m", __package__] if __package__ == "flashgdn.bench" else [os.path.dirname(os.path.abspath(__file__))]
     cmd = [sys.executable, *entry, "prewarm-task", json.dumps(spec)]
     t0 = time.perf_counter()
-    with _LIVE_LOCK:
-        _LIVE_LOCK.wait_for(lambda: not _PAUSED[0])
+    with _LIVE_CV:
+        _LIVE_CV.wait_for(lambda: not _PAUSED[0])
         # Its own process group: quiet() stops it with the compilers it starts (nvcc, ptxas).
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
@@ -209,7 +209,7 @@ def _run_one(spec: Dict, timeout_s: float) -> Dict:
         p.communicate()
         return dict(spec, s=round(time.perf_counter() - t0, 1), calls=[], error=f"timed out after {timeout_s:.0f} s")
     finally:
-        with _LIVE_LOCK:
+        with _LIVE_CV:
             _LIVE.discard(p)
     for line in reversed(out.splitlines()):
         if line.startswith(RESULT_TAG):
@@ -344,7 +344,7 @@ class Warmup:
         """Drops the tasks not started and kills the running ones (the caller's time is up)."""
         if self._ex is not None:
             self._ex.shutdown(wait=False, cancel_futures=True)
-        with _LIVE_LOCK:
+        with _LIVE_CV:
             for p in list(_LIVE):
                 _signal_group(p, signal.SIGKILL)
         self.join()
@@ -355,20 +355,20 @@ class Warmup:
         the GPU work they had queued drains (DRAIN_S) before the caller goes on; they continue
         (SIGCONT) on the way out, or after MAX_PAUSE_S should the caller hang. No worker starts
         meanwhile. For what is timed: the samples of a measurement, and FLA's autotuning."""
-        with _LIVE_LOCK:
+        with _LIVE_CV:
             _PAUSED[0] = True
             stopped = [p for p in _LIVE if p.poll() is None]
             for p in stopped:
                 _signal_group(p, signal.SIGSTOP)
 
         def resume():
-            with _LIVE_LOCK:
+            with _LIVE_CV:
                 if not _PAUSED[0]:
                     return
                 for p in stopped:
                     _signal_group(p, signal.SIGCONT)
                 _PAUSED[0] = False
-                _LIVE_LOCK.notify_all()
+                _LIVE_CV.notify_all()
 
         timer = threading.Timer(MAX_PAUSE_S, resume)
         timer.daemon = True
