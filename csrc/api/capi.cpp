@@ -81,7 +81,7 @@ fgdn_status fgdn_forward_workspace_size(const fgdn_fwd_args* args, size_t* bytes
   return guarded([&] {
     if (bytes == nullptr)
       throw flashgdn::InvalidArgument("fgdn_forward_workspace_size: argument 'bytes': expected a pointer, got NULL");
-    const flashgdn::Problem p = flashgdn::validate_forward(args, nullptr);
+    const flashgdn::Problem p = flashgdn::validate_forward(args, flashgdn::Mode::kShapes, nullptr);
     *bytes = 0;
 #ifdef FLASHGDN_WITH_CUDA
     if (p.on_cuda) *bytes = flashgdn::cuda::forward_workspace_size(p, *args);
@@ -94,7 +94,7 @@ fgdn_status fgdn_backward_workspace_size(const fgdn_bwd_args* args, size_t* byte
   return guarded([&] {
     if (bytes == nullptr)
       throw flashgdn::InvalidArgument("fgdn_backward_workspace_size: argument 'bytes': expected a pointer, got NULL");
-    const flashgdn::Problem p = flashgdn::validate_backward(args, nullptr);
+    const flashgdn::Problem p = flashgdn::validate_backward(args, flashgdn::Mode::kShapes, nullptr);
     *bytes = 0;
 #ifdef FLASHGDN_WITH_CUDA
     if (p.on_cuda) *bytes = flashgdn::cuda::backward_workspace_size(p, *args);
@@ -106,7 +106,8 @@ fgdn_status fgdn_backward_workspace_size(const fgdn_bwd_args* args, size_t* byte
 fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace, size_t workspace_bytes,
                          void* stream) {
   return guarded([&] {
-    const flashgdn::Problem p = flashgdn::validate_forward(args, stream);
+    const flashgdn::Problem p =
+        flashgdn::validate_forward(args, flashgdn::Mode::kCall, stream, workspace, workspace_bytes);
     if (!p.on_cuda) {
       flashgdn::cpu::forward(p, *args);
       return;
@@ -125,7 +126,8 @@ fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace, size_t work
 fgdn_status fgdn_backward(const fgdn_bwd_args* args, void* workspace, size_t workspace_bytes,
                           void* stream) {
   return guarded([&] {
-    const flashgdn::Problem p = flashgdn::validate_backward(args, stream);
+    const flashgdn::Problem p =
+        flashgdn::validate_backward(args, flashgdn::Mode::kCall, stream, workspace, workspace_bytes);
     if (!p.on_cuda) {
       flashgdn::cpu::backward(p, *args);
       return;
@@ -151,6 +153,6 @@ int fgdn_has_cuda(void) {
 #endif
 }
 
-const char* fgdn_version(void) { return "0.1.0"; }
+const char* fgdn_version(void) { return "0.2.0"; }
 
 }  // extern "C"

@@ -23,8 +23,9 @@ struct Problem {
   bool varlen = false;
   bool on_cuda = false;
   int32_t device_id = 0;
-  // Sequence boundaries on the host, [N + 1]. Always set for host tensors; for device tensors
-  // set when the caller gave cu_seqlens_host or the call read cu_seqlens back (dense: n * T).
+  // Sequence boundaries on the host: seq(n) may be called when have_host_seqlens. Dense: from
+  // the shapes (cu stays empty). Varlen: cu [N + 1], set in a call (not in a workspace size
+  // query, which reads no values) from cu_seqlens_host or cu_seqlens.
   bool have_host_seqlens = false;
   std::vector<int64_t> cu;
 

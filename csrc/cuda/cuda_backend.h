@@ -3,8 +3,11 @@
 
 #include <cstddef>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "common/problem.h"
+#include "common/value_checks.h"
 #include "flashgdn/flashgdn.h"
 
 namespace flashgdn::cuda {
@@ -14,6 +17,17 @@ size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& a);
 // workspace: at least *_workspace_size bytes of device memory (never NULL when that is > 0).
 void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* stream);
 void backward(const Problem& p, const fgdn_bwd_args& a, void* workspace, void* stream);
+
+// Why the kernels' launch grids cannot cover a validated problem ("" when they can): grid
+// extents past the hardware's limits. Called by validation (FGDN_ERROR_NOT_SUPPORTED).
+std::string launch_limits_error(const Problem& p);
+
+// Check mode on the device: runs every check on stream, gathers the results and the requested
+// index tensors (cu_seqlens, state_indices; nullptr: not needed) as int64 into one scratch
+// buffer, copies it back with one cudaMemcpyAsync and waits for the stream (the call's one
+// host synchronisation of check mode).
+ValueCheckOutcome run_value_checks(const std::vector<ValueCheck>& checks, const fgdn_tensor* cu_seqlens,
+                                   const fgdn_tensor* state_indices, int device_id, void* stream);
 
 }  // namespace flashgdn::cuda
 

@@ -13,10 +13,13 @@
  * The recurrence, per sequence and value head (S is K x V):
  *   S~_t = exp(g_t) S_{t-1};  S_t = S~_t + beta_t k_t (v_t - S~_t^T k_t)^T;  o_t = scale S_t^T q_t
  *
- * Every tensor is described by an fgdn_tensor (strides in elements, like DLPack). An
- * optional tensor is absent when its data pointer is NULL. Every entry point validates all
+ * Every tensor is described by an fgdn_tensor (strides in elements, like DLPack). A tensor
+ * is absent iff its ndim is 0 (fgdn_tensor_none(), a zeroed struct); with ndim >= 1 it is
+ * present, and its data pointer may be NULL only when it has no elements (an empty tensor is
+ * a tensor: torch gives empty tensors a NULL data pointer). Every entry point validates all
  * of its arguments before it writes anything; on error it returns a non-zero status and
- * fgdn_last_error() names the argument, what was expected and what was given.
+ * fgdn_last_error() names the argument, what was expected and what was given. The full
+ * contract (sizes, layouts, overlaps, what synchronises) is in docs/api.md, "Contract".
  */
 #ifndef FLASHGDN_FLASHGDN_H_
 #define FLASHGDN_FLASHGDN_H_
@@ -35,7 +38,7 @@ extern "C" {
 #endif
 
 #define FGDN_VERSION_MAJOR 0
-#define FGDN_VERSION_MINOR 1
+#define FGDN_VERSION_MINOR 2
 #define FGDN_VERSION_PATCH 0
 #define FGDN_MAX_DIMS 4
 
@@ -58,11 +61,14 @@ typedef enum fgdn_status {
   FGDN_ERROR_INTERNAL = 4
 } fgdn_status;
 
-/* A non-owning view of a strided tensor. data == NULL means "absent". */
+/* A non-owning view of a strided tensor. ndim == 0 means "absent". Every element it
+   addresses, data + sum_d i_d * strides[d] for 0 <= i_d < shape[d], must lie in memory the
+   caller owns; outputs must not address one element twice nor share memory with another
+   argument. */
 typedef struct fgdn_tensor {
-  void* data;
+  void* data;          /* may be NULL only when some shape[d] is 0 */
   int32_t dtype;       /* fgdn_dtype */
-  int32_t ndim;        /* 1 .. FGDN_MAX_DIMS */
+  int32_t ndim;        /* 1 .. FGDN_MAX_DIMS; 0: absent */
   int64_t shape[FGDN_MAX_DIMS];
   int64_t strides[FGDN_MAX_DIMS]; /* in elements */
   int32_t device_type; /* fgdn_device_type */
@@ -80,19 +86,29 @@ typedef struct fgdn_inputs {
   fgdn_tensor A_log;   /* [Hv] fp32, required iff gate_in_kernel */
   fgdn_tensor dt_bias; /* [Hv] fp32, optional with gate_in_kernel (zero when absent) */
   fgdn_tensor cu_seqlens; /* [N + 1] int32 | int64, optional; requires B == 1 */
-  /* Optional host copy of cu_seqlens (int64, [N + 1], on the CPU) for device calls: with it
-     the call never reads cu_seqlens back from the device (no host synchronisation), which a
-     CUDA graph capture needs. It must equal cu_seqlens; it is what validation checks. */
+  /* Optional host copy of cu_seqlens (int32 | int64, [N + 1], on the CPU) for device calls:
+     with it the call never reads cu_seqlens back from the device (no host synchronisation),
+     which a CUDA graph capture needs. It must equal cu_seqlens: compared when cu_seqlens is
+     on the CPU, trusted (and what validation checks) on a device unless in check mode. */
   fgdn_tensor cu_seqlens_host;
   fgdn_tensor initial_state; /* [N, Hv, K, V] fp32, optional; with state_indices a pool
                                 [P, Hv, K, V] read in place */
   fgdn_tensor state_indices; /* [N] int32 | int64, optional: row of the pool per sequence;
-                                a negative index starts from zero and writes nothing back */
+                                a negative index starts from zero and writes nothing back;
+                                distinct non-negative rows when the pool is written */
   double scale;              /* used iff has_scale; default 1 / sqrt(K) */
   int32_t has_scale;
   int32_t use_qk_l2norm_in_kernel; /* q <- q / ||q||, k <- k / ||k|| (eps 1e-6) per token */
   int32_t gate_in_kernel;
   int32_t state_v_first; /* states are [.., V, K] instead of [.., K, V] */
+  /* Check mode (0: off; also on when the environment variable FLASHGDN_CHECK_INPUTS is set to
+     anything but "" or "0"): before anything is written, verify the inputs' values: q, k, v,
+     g, beta, A_log, dt_bias, the initial states read (and d_o, d_final_state) finite; g <= 0
+     unless gate_in_kernel; cu_seqlens equal to cu_seqlens_host; state_indices in range and,
+     when the pool is written, distinct. A failure is FGDN_ERROR_INVALID_ARGUMENT naming the
+     argument and the first offending element. Costs one host synchronisation on device
+     tensors (not for CUDA graph capture). */
+  int32_t check_inputs;
 } fgdn_inputs;
 
 typedef struct fgdn_fwd_args {
@@ -125,7 +141,9 @@ typedef struct fgdn_bwd_args {
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as
-   workspace, or NULL to let the library allocate it on the stream. */
+   workspace, or NULL to let the library allocate it on the stream. The size depends on the
+   shapes only: the query validates everything but tensor values and reads no tensor memory
+   (so it never touches a stream). */
 FGDN_API fgdn_status fgdn_forward_workspace_size(const fgdn_fwd_args* args, size_t* bytes);
 FGDN_API fgdn_status fgdn_backward_workspace_size(const fgdn_bwd_args* args, size_t* bytes);
 
@@ -141,7 +159,7 @@ FGDN_API const char* fgdn_last_error(void);
 FGDN_API int fgdn_has_cuda(void);
 FGDN_API const char* fgdn_version(void);
 
-/* An fgdn_tensor with every field zero: an absent optional tensor. */
+/* An fgdn_tensor with every field zero (ndim 0): an absent optional tensor. */
 static inline fgdn_tensor fgdn_tensor_none(void) {
   fgdn_tensor t;
   size_t i;

@@ -30,7 +30,8 @@ inline void check(fgdn_status s) {
   if (s != FGDN_SUCCESS) throw Error(s, fgdn_last_error());
 }
 
-// A contiguous (row-major) tensor view.
+// A contiguous (row-major) tensor view. An empty shape ({}: ndim 0) is an absent tensor; an
+// extent of 0 makes an empty tensor, whose data may be NULL.
 inline fgdn_tensor make_tensor(void* data, fgdn_dtype dtype, std::initializer_list<int64_t> shape,
                                fgdn_device_type device = FGDN_CPU, int32_t device_id = 0) {
   fgdn_tensor t = fgdn_tensor_none();
@@ -41,10 +42,12 @@ inline fgdn_tensor make_tensor(void* data, fgdn_dtype dtype, std::initializer_li
   t.device_id = device_id;
   int i = 0;
   for (int64_t s : shape) t.shape[i++] = s;
-  int64_t stride = 1;
+  // Unsigned, so that extents whose product overflows give wrapped strides (which validation
+  // refuses, naming the tensor) rather than undefined behaviour here.
+  uint64_t stride = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
-    t.strides[d] = stride;
-    stride *= t.shape[d];
+    t.strides[d] = static_cast<int64_t>(stride);
+    stride *= static_cast<uint64_t>(t.shape[d]);
   }
   return t;
 }

@@ -93,7 +93,9 @@ struct HostBuffer {
     return b;
   }
   // Fill every byte (a sentinel pattern, to see what a call did not write).
-  void fill_bytes(unsigned char c) { std::memset(bytes.data(), c, bytes.size()); }
+  void fill_bytes(unsigned char c) {
+    if (!bytes.empty()) std::memset(bytes.data(), c, bytes.size());
+  }
   void* data() { return bytes.empty() ? nullptr : bytes.data(); }
   std::vector<double> to_double() const {
     std::vector<double> x(static_cast<size_t>(n));
