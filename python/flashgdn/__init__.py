@@ -20,7 +20,7 @@ from ._core import (
 )
 from .ops import chunk_gated_delta_rule
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 chunk_gdn = chunk_gated_delta_rule
 
 

@@ -6,6 +6,7 @@ into the outputs the caller does pass (handy for preallocated / poisoned buffers
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -36,7 +37,8 @@ def has_cuda() -> bool:
 
 
 def _desc(name: str, t: Optional[torch.Tensor]):
-    """The (data_ptr, dtype, shape, strides, device_type, device_id) descriptor of a tensor."""
+    """The (data_ptr, dtype, shape, strides, device_type, device_id) descriptor of a tensor; None
+    (absent: ndim 0 at the C ABI) for None. An empty tensor is present, whatever its data_ptr."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -53,8 +55,50 @@ def _desc(name: str, t: Optional[torch.Tensor]):
     elif dev.type == "cuda":
         dtype, did = _C.CUDA, dev.index if dev.index is not None else torch.cuda.current_device()
     else:
-        raise ValueError(f"{name}: tensors on device '{dev}' are not supported (cpu or cuda)")
+        raise ValueError(f"{name}: expected a tensor on cpu or cuda, got a tensor on {dev}")
     return (t.data_ptr(), code, tuple(t.shape), tuple(t.stride()), dtype, did)
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _index(name: str, x, lo: int = -_INT64_MAX - 1) -> int:
+    """An integer argument, never truncated: an int (or anything with __index__, not a float or a
+    bool) in [lo, 2**63)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected an int, got a bool ({x})")
+    try:
+        i = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}") from None
+    if not lo <= i <= _INT64_MAX:
+        raise ValueError(f"{name}: expected an int in [{lo}, 2**63), got {i}")
+    return i
+
+
+def _flag(name: str, x) -> bool:
+    """A boolean argument: True, False, or an integer 0 or 1 (nothing else is read as a flag)."""
+    if isinstance(x, bool):
+        return x
+    try:
+        i = operator.index(x)
+    except TypeError:
+        i = None
+    if i not in (0, 1):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+    return bool(i)
+
+
+def _scale(x) -> Optional[float]:
+    """scale: None (1/sqrt(K), computed by the library) or a real number; the library refuses
+    a non-finite one."""
+    if x is None:
+        return None
+    # A number (float, int, numpy or torch scalar), not a bool and not a string that float()
+    # would parse.
+    if isinstance(x, bool) or not hasattr(type(x), "__float__"):
+        raise TypeError(f"scale: expected a float or None, got {type(x).__name__} {x!r}")
+    return float(x)
 
 
 def _need_dims(name: str, t, ndim: int, layout: str) -> None:
@@ -82,6 +126,14 @@ def checkpoint_rows(B: int, T: int, checkpoint_every: int) -> int:
     """Rows of the checkpoint buffer flashgdn allocates: B * (T // checkpoint_every), an upper
     bound on sum_n floor(len_n / checkpoint_every) (exact for dense batches)."""
     return B * (T // checkpoint_every) if checkpoint_every > 0 else 0
+
+
+def _num_seqs(B: int, cu_seqlens) -> int:
+    """N for allocating per-sequence outputs; never negative, so that a bad cu_seqlens reaches
+    the library's validation (which names it) instead of failing in torch.empty."""
+    if cu_seqlens is None:
+        return B
+    return max(cu_seqlens.shape[0] - 1, 0) if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else 0
 
 
 def checkpoint_offsets(cu_seqlens: Union[torch.Tensor, Sequence[int]], checkpoint_every: int) -> torch.Tensor:
@@ -121,7 +173,8 @@ def _launch(fn, size_fn, kw: dict, device: torch.device) -> None:
 
 
 def _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first) -> dict:
+            cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first,
+            check_inputs) -> dict:
     return dict(
         q=_desc("q", q), k=_desc("k", k), v=_desc("v", v), g=_desc("g", g), beta=_desc("beta", beta),
         A_log=_desc("A_log", A_log), dt_bias=_desc("dt_bias", dt_bias),
@@ -129,10 +182,11 @@ def _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_
         cu_seqlens_host=_desc("cu_seqlens_host", cu_seqlens_host),
         initial_state=_desc("initial_state", initial_state),
         state_indices=_desc("state_indices", state_indices),
-        scale=None if scale is None else float(scale),
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        gate_in_kernel=bool(use_gate_in_kernel),
-        state_v_first=bool(state_v_first),
+        scale=_scale(scale),
+        use_qk_l2norm_in_kernel=_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        gate_in_kernel=_flag("use_gate_in_kernel", use_gate_in_kernel),
+        state_v_first=_flag("state_v_first", state_v_first),
+        check_inputs=_flag("check_inputs", check_inputs),
     )
 
 
@@ -158,33 +212,36 @@ def chunk_gated_delta_rule_fwd(
     o: Optional[torch.Tensor] = None,
     final_state: Optional[torch.Tensor] = None,
     checkpoints: Optional[torch.Tensor] = None,
+    check_inputs: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
     Arguments as ``flashgdn.chunk_gated_delta_rule``; ``scale=None`` means ``K ** -0.5``.
-    ``o``, ``final_state``, ``checkpoints``: optional preallocated outputs, written in place;
+    ``o``, ``final_state``, ``checkpoints``: optional preallocated outputs, written in place
+    with their own strides (never through a copy: a layout the library cannot write is refused);
     the ones not given are allocated. ``final_state`` is None unless ``output_final_state`` and
     no ``state_indices`` (with ``state_indices`` the final states go back into the pool rows of
     ``initial_state``). ``checkpoints`` is None unless ``checkpoint_every > 0``; when allocated
     here it has ``checkpoint_rows(B, T, checkpoint_every)`` rows, the rows past the ones written
-    (varlen; see ``checkpoint_offsets``) zero. Nothing is written when an argument is rejected
-    (ValueError naming it).
+    (varlen; see ``checkpoint_offsets``) zero. ``check_inputs``: check mode (docs/api.md).
+    Nothing is written when an argument is rejected (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
     _need_dims("v", v, 4, "[B, T, Hv, V]")
-    if cu_seqlens is not None:
-        _need_dims("cu_seqlens", cu_seqlens, 1, "[N + 1]")
     _check_device(q)
     B, T, Hv, V = v.shape
     K = k.shape[-1]
-    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    checkpoint_every = int(checkpoint_every)
+    N = _num_seqs(B, cu_seqlens)
+    checkpoint_every = _index("checkpoint_every", checkpoint_every, lo=0)
+    output_final_state = _flag("output_final_state", output_final_state)
     kw = _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                 cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first)
+                 cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first,
+                 check_inputs)
+    state_v_first = kw["state_v_first"]
     if o is None:
         o = torch.empty((B, T, Hv, V), dtype=q.dtype, device=q.device)
-    want_final = bool(output_final_state) and state_indices is None
+    want_final = output_final_state and state_indices is None
     if want_final and final_state is None:
         final_state = torch.empty(_state_shape(N, Hv, K, V, state_v_first), dtype=torch.float32,
                                   device=q.device)
@@ -192,16 +249,16 @@ def chunk_gated_delta_rule_fwd(
     if checkpoint_every > 0 and checkpoints is None:
         checkpoints = torch.empty((checkpoint_rows(B, T, checkpoint_every),) + _state_shape(1, Hv, K, V, state_v_first)[1:],
                                   dtype=torch.float32, device=q.device)
-        if cu_seqlens is not None:
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == q.device:
+            # The rows past the ones written are zeroed below, from the host copy; on CUDA
+            # without one this is the call's only read of cu_seqlens (the library then reads
+            # the copy, not the device).
             cu_host = host_seqlens(cu_seqlens, cu_seqlens_host)
             if q.device.type == "cuda" and cu_seqlens_host is None:
-                kw["cu_seqlens_host"] = _desc("cu_seqlens_host", cu_host)  # read back once, not twice
+                kw["cu_seqlens_host"] = _desc("cu_seqlens_host", cu_host)
             zero_tail = cu_host
-    if B * T == 0:  # no tokens: torch gives empty tensors a NULL data pointer, which the C ABI reads as absent
-        return _fwd_no_tokens(o, final_state if want_final else None, checkpoints, initial_state,
-                              state_indices, checkpoint_every)
     kw.update(
-        output_final_state=bool(output_final_state),
+        output_final_state=output_final_state,
         checkpoint_every=checkpoint_every,
         o=_desc("o", o),
         final_state=_desc("final_state", final_state) if want_final else None,
@@ -213,30 +270,6 @@ def chunk_gated_delta_rule_fwd(
         if used < checkpoints.shape[0]:
             checkpoints[used:].zero_()
     return o, (final_state if want_final else None), (checkpoints if checkpoint_every > 0 else None)
-
-
-def _fwd_no_tokens(o, final_state, checkpoints, initial_state, state_indices, checkpoint_every):
-    """B * T == 0: every sequence is empty, so each final state is its initial state (zero without
-    one; a pool is left as it is) and there are no checkpoints."""
-    if final_state is not None:
-        if initial_state is not None and tuple(initial_state.shape) == tuple(final_state.shape):
-            final_state.copy_(initial_state)
-        else:
-            final_state.zero_()
-    if checkpoints is not None:
-        checkpoints.zero_()
-    return o, final_state, (checkpoints if checkpoint_every > 0 else None)
-
-
-def _bwd_no_tokens(dht, dh0, dA_log, ddt_bias):
-    if dh0 is not None:
-        if dht is not None and tuple(dht.shape) == tuple(dh0.shape):
-            dh0.copy_(dht)
-        else:
-            dh0.zero_()
-    for t in (dA_log, ddt_bias):
-        if t is not None:
-            t.zero_()
 
 
 class GDNGrads(NamedTuple):
@@ -278,6 +311,7 @@ def chunk_gated_delta_rule_bwd(
     dh0: Optional[torch.Tensor] = None,
     dA_log: Optional[torch.Tensor] = None,
     ddt_bias: Optional[torch.Tensor] = None,
+    check_inputs: bool = False,
 ) -> GDNGrads:
     """Backward pass, no autograd (recomputes the forward from the inputs).
 
@@ -286,7 +320,8 @@ def chunk_gated_delta_rule_bwd(
     dg (the gradient of the raw activation with ``use_gate_in_kernel``) and dbeta in the dtypes of
     g and beta; dh0 (float32, like initial_state) when ``initial_state`` is given and ``need_dh0``
     is not False; dA_log with ``use_gate_in_kernel``; ddt_bias when ``dt_bias`` is given. Gradient
-    buffers may be passed preallocated; the others are allocated.
+    buffers may be passed preallocated (written in place with their own strides, never through a
+    copy); the others are allocated. ``check_inputs``: check mode (docs/api.md).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -294,9 +329,11 @@ def chunk_gated_delta_rule_bwd(
     _check_device(q)
     if need_dh0 is None:
         need_dh0 = initial_state is not None
-    need_dh0 = bool(need_dh0) and initial_state is not None
+    need_dh0 = _flag("need_dh0", need_dh0) and initial_state is not None
     kw = _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                 cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first)
+                 cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first,
+                 check_inputs)
+    gate = kw["gate_in_kernel"]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -305,33 +342,27 @@ def chunk_gated_delta_rule_bwd(
     if dbeta is None:
         dbeta = (torch.empty_like(beta, memory_format=torch.contiguous_format)
                  if isinstance(beta, torch.Tensor) else None)
-    if use_gate_in_kernel and dA_log is None and isinstance(A_log, torch.Tensor):
+    if gate and dA_log is None and isinstance(A_log, torch.Tensor):
         dA_log = torch.empty(A_log.shape, dtype=torch.float32, device=A_log.device)
-    if use_gate_in_kernel and dt_bias is not None and ddt_bias is None and isinstance(dt_bias, torch.Tensor):
+    if gate and dt_bias is not None and ddt_bias is None and isinstance(dt_bias, torch.Tensor):
         ddt_bias = torch.empty(dt_bias.shape, dtype=torch.float32, device=dt_bias.device)
     if need_dh0 and dh0 is None:
         B, T, Hv, V = v.shape
         K = k.shape[-1]
-        N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-        dh0 = torch.empty(_state_shape(N, Hv, K, V, state_v_first), dtype=torch.float32, device=q.device)
-    if v.shape[0] * v.shape[1] == 0:
-        _bwd_no_tokens(dht, dh0 if need_dh0 else None, dA_log if use_gate_in_kernel else None,
-                       ddt_bias if use_gate_in_kernel and dt_bias is not None else None)
-        return GDNGrads(dq, dk, dv, dg, dbeta, dh0 if need_dh0 else None,
-                        dA_log if use_gate_in_kernel else None,
-                        ddt_bias if use_gate_in_kernel and dt_bias is not None else None)
+        dh0 = torch.empty(_state_shape(_num_seqs(B, cu_seqlens), Hv, K, V, kw["state_v_first"]),
+                          dtype=torch.float32, device=q.device)
     kw.update(
         d_o=_desc("do", do), d_final_state=_desc("dht", dht),
         dq=_desc("dq", dq), dk=_desc("dk", dk), dv=_desc("dv", dv), dg=_desc("dg", dg),
         dbeta=_desc("dbeta", dbeta),
-        dA_log=_desc("dA_log", dA_log) if use_gate_in_kernel else None,
-        ddt_bias=_desc("ddt_bias", ddt_bias) if use_gate_in_kernel and dt_bias is not None else None,
+        dA_log=_desc("dA_log", dA_log) if gate else None,
+        ddt_bias=_desc("ddt_bias", ddt_bias) if gate and dt_bias is not None else None,
         dh0=_desc("dh0", dh0) if need_dh0 else None,
     )
     _launch(_C.backward, _C.backward_workspace_size, kw, q.device)
     return GDNGrads(
         dq, dk, dv, dg, dbeta,
         dh0 if need_dh0 else None,
-        dA_log if use_gate_in_kernel else None,
-        ddt_bias if use_gate_in_kernel and dt_bias is not None else None,
+        dA_log if gate else None,
+        ddt_bias if gate and dt_bias is not None else None,
     )

@@ -54,8 +54,8 @@ def _fwd_op(
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
-    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
-    output_final_state: bool, checkpoint_every: int,
+    scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    state_v_first: bool, output_final_state: bool, checkpoint_every: int, check_inputs: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -63,6 +63,7 @@ def _fwd_op(
         cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
+        check_inputs=check_inputs,
     )
     return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
 
@@ -70,7 +71,7 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              output_final_state, checkpoint_every):
+              output_final_state, checkpoint_every, check_inputs):
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
         ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
@@ -90,15 +91,15 @@ def _bwd_op(
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
-    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
-    do: Tensor, dht: Optional[Tensor], need_dh0: bool,
+    scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    state_v_first: bool, do: Tensor, dht: Optional[Tensor], need_dh0: bool, check_inputs: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     gr = _core.chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
-        need_dh0=need_dh0,
+        need_dh0=need_dh0, check_inputs=check_inputs,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -110,7 +111,7 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              do, dht, need_dh0):
+              do, dht, need_dh0, check_inputs):
     c = torch.contiguous_format
     dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
           if use_gate_in_kernel and A_log is not None else _empty(q))
@@ -125,22 +126,22 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 
 # ---- autograd -------------------------------------------------------------------------------
 
-_N_FWD_ARGS = 17
+_N_FWD_ARGS = 18
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-     scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every) = inputs
+     scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
-    ctx.flags = (scale, l2norm, gate, v_first)
+    ctx.flags = (scale, l2norm, gate, v_first, check_inputs)
     ctx.mark_non_differentiable(output[2])  # checkpoints are not differentiable
 
 
 def _backward(ctx, do, dht, _dckpt):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
      state_indices) = ctx.saved_tensors
-    scale, l2norm, gate, v_first = ctx.flags
+    scale, l2norm, gate, v_first, check_inputs = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
     if do is None:
@@ -152,13 +153,13 @@ def _backward(ctx, do, dht, _dckpt):
     need_dh0 = initial_state is not None and bool(need[9])
     dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-        scale, l2norm, gate, v_first, do, dht, need_dh0)
-    return (dq, dk, dv, dg, dbeta,
-            dA if gate and A_log is not None else None,
-            ddt if gate and dt_bias is not None else None,
-            None, None,
-            dh0 if need_dh0 else None,
-            None, None, None, None, None, None, None)
+        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs)
+    grads = (dq, dk, dv, dg, dbeta,
+             dA if gate and A_log is not None else None,
+             ddt if gate and dt_bias is not None else None,
+             None, None,
+             dh0 if need_dh0 else None)
+    return grads + (None,) * (_N_FWD_ARGS - len(grads))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -173,15 +174,15 @@ def _fwd_pool_op(
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
     initial_state: Tensor, state_indices: Tensor,
-    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, state_v_first: bool,
-    checkpoint_every: int,
+    scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    state_v_first: bool, checkpoint_every: int, check_inputs: bool,
 ) -> Tuple[Tensor, Tensor]:
     o, _, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=checkpoint_every, check_inputs=check_inputs,
     )
     return o, (ckpt if ckpt is not None else _empty(q))
 
@@ -189,7 +190,7 @@ def _fwd_pool_op(
 @_fwd_pool_op.register_fake
 def _fwd_pool_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
                    state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-                   checkpoint_every):
+                   checkpoint_every, check_inputs):
     o = q.new_empty(tuple(v.shape))
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
             if checkpoint_every > 0 else _empty(q))
@@ -210,10 +211,21 @@ def _as_host_seqlens(name: str, x) -> Optional[Tensor]:
 
 
 def _unit_last(x: Optional[Tensor]) -> Optional[Tensor]:
-    """The library takes any strides but a unit stride in the last dimension."""
+    """A read-only input with a strided last dimension, made contiguous (the library takes any
+    strides but a unit stride in the last dimension). Never applied to a tensor the call writes:
+    that would write into the copy."""
     if x is not None and isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
         return x.contiguous()
     return x
+
+
+def _check_devices(q: Tensor, tensors: dict) -> None:
+    """Every tensor argument on q's device, checked before dispatch: torch.library would send a
+    call with one meta tensor to the fake implementation, which returns uninitialised memory."""
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), "
+                             f"got a tensor on {t.device}")
 
 
 def chunk_gated_delta_rule(
@@ -240,6 +252,7 @@ def chunk_gated_delta_rule(
     checkpoint_every: int = 0,
     chunk_indices: Optional[Tensor] = None,
     cp_context=None,
+    check_inputs: bool = False,
     **kwargs,
 ):
     r"""Gated delta rule, chunked: FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
@@ -279,6 +292,11 @@ def chunk_gated_delta_rule(
             ``offset_n + j`` with ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
             (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
             Checkpoints are not differentiable.
+        check_inputs: check mode: before anything is written, verify the inputs' values (finite,
+            ``g <= 0`` as a log gate, state indices in range and distinct where written,
+            ``cu_seqlens`` equal to its host copy) at the cost of one host synchronisation;
+            ValueError naming the first offending element. Also on with the environment
+            variable ``FLASHGDN_CHECK_INPUTS=1``.
         chunk_indices: accepted for FLA compatibility and ignored. ``chunk_size`` (kwarg): 16, 32
             or 64 accepted and ignored (flashgdn always uses 64). ``head_first=True``: ValueError.
             ``transpose_state_layout``: deprecated alias of ``state_v_first``. ``cp_context``:
@@ -296,7 +314,7 @@ def chunk_gated_delta_rule(
             raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
         warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                       DeprecationWarning, stacklevel=2)
-        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+        state_v_first = _core._flag("transpose_state_layout", kwargs.pop("transpose_state_layout"))
     if "head_first" in kwargs:
         if kwargs.pop("head_first"):
             raise ValueError("head_first: head-first inputs are not supported; pass [B, T, H, ...] tensors")
@@ -317,6 +335,17 @@ def chunk_gated_delta_rule(
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != nd:
             raise ValueError(f"{name}: expected {layout}, got shape {tuple(t.shape)}")
+    _check_devices(q, dict(k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                           initial_state=initial_state, state_indices=state_indices))
+    output_final_state = _core._flag("output_final_state", output_final_state)
+    use_qk_l2norm_in_kernel = _core._flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    use_gate_in_kernel = _core._flag("use_gate_in_kernel", use_gate_in_kernel)
+    use_beta_sigmoid_in_kernel = _core._flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+    allow_neg_eigval = _core._flag("allow_neg_eigval", allow_neg_eigval)
+    state_v_first = _core._flag("state_v_first", state_v_first)
+    check_inputs = _core._flag("check_inputs", check_inputs)
+    checkpoint_every = _core._index("checkpoint_every", checkpoint_every, lo=0)
+    scale = _core._scale(scale)  # None: 1/sqrt(K), from the library (which refuses K = 0)
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
             raise ValueError("cu_seqlens: expected a 1-D [N + 1] int32/int64 tensor")
@@ -343,12 +372,10 @@ def chunk_gated_delta_rule(
         beta = torch.sigmoid(beta)
         if allow_neg_eigval:
             beta = beta * 2
-    checkpoint_every = int(checkpoint_every)
-    if scale is None:
-        scale = k.shape[-1] ** -0.5
-    scale = float(scale)
     q, k, v, g, beta = (_unit_last(x) for x in (q, k, v, g, beta))
-    initial_state = _unit_last(initial_state)
+    pool_written = state_indices is not None and output_final_state
+    if not pool_written:  # a pool written back in place is passed as it is: the library refuses
+        initial_state = _unit_last(initial_state)  # a layout it cannot write, naming it
 
     if state_indices is not None:
         if torch.is_grad_enabled() and any(
@@ -362,14 +389,14 @@ def chunk_gated_delta_rule(
         if output_final_state:
             o, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd_pool_(
                 q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
-                scale, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(state_v_first),
-                checkpoint_every)
+                scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first, checkpoint_every,
+                check_inputs)
             return (o, None, ckpt) if checkpoint_every > 0 else (o, None)
 
     o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
-        scale, bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(state_v_first),
-        bool(output_final_state) and state_indices is None, checkpoint_every)
+        scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
+        output_final_state and state_indices is None, checkpoint_every, check_inputs)
     final_state = ht if output_final_state and state_indices is None else None
     if checkpoint_every > 0:
         return o, final_state, ckpt

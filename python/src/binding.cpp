@@ -15,8 +15,8 @@
 //   * no DLPack capsule per tensor per call (a dozen or more tensors per call) and none of
 //     the DLPack protocol's stream handshakes on CUDA tensors: the op runs on exactly the
 //     stream Python passes, which is what CUDA graph capture and torch.compile need;
-//   * arbitrary strides, expanded (stride 0) and empty tensors reach the library's own
-//     validation, so Python users get the same messages as C users;
+//   * arbitrary strides, expanded (stride 0) and empty tensors (whose data_ptr torch may make
+//     0) reach the library's own validation, so Python users get the same messages as C users;
 //   * the extension links no torch C++ code, so one stable-ABI (abi3) build serves any
 //     torch version.
 // The oracle functions take float64 arrays (numpy, C-contiguous) through nb::ndarray.
@@ -98,7 +98,8 @@ class Kwargs {
     return cast<int64_t>(h, name, "an int");
   }
 
-  // A tensor descriptor (see the top of this file); absent (data NULL) when None or missing.
+  // A tensor descriptor (see the top of this file); absent (ndim 0, the C ABI's rule) when None
+  // or missing. Any descriptor is present, an empty tensor's NULL data pointer included.
   fgdn_tensor tensor(const char* name) {
     fgdn_tensor t = fgdn_tensor_none();
     nb::handle h = get(name);
@@ -178,6 +179,7 @@ void parse_inputs(Kwargs& kw, fgdn_inputs& in) {
   in.use_qk_l2norm_in_kernel = kw.flag("use_qk_l2norm_in_kernel");
   in.gate_in_kernel = kw.flag("gate_in_kernel");
   in.state_v_first = kw.flag("state_v_first");
+  in.check_inputs = kw.flag("check_inputs");
 }
 
 fgdn_fwd_args parse_fwd(Kwargs& kw) {
@@ -431,8 +433,9 @@ NB_MODULE(_C, m) {
       [](nb::kwargs kwargs) { launch("forward", std::move(kwargs), parse_fwd, fgdn_forward); },
       "forward(q=, k=, v=, g=, beta=, o=, [A_log=, dt_bias=, cu_seqlens=, cu_seqlens_host=,\n"
       "        initial_state=, state_indices=, scale=, use_qk_l2norm_in_kernel=, gate_in_kernel=,\n"
-      "        state_v_first=, output_final_state=, checkpoint_every=, final_state=, checkpoints=,\n"
-      "        workspace=, workspace_bytes=, stream=]): fgdn_forward. Tensors are descriptors.");
+      "        state_v_first=, check_inputs=, output_final_state=, checkpoint_every=, final_state=,\n"
+      "        checkpoints=, workspace=, workspace_bytes=, stream=]): fgdn_forward. Tensors are\n"
+      "        descriptors; None (or missing) is absent.");
 
   m.def(
       "backward",

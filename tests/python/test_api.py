@@ -22,8 +22,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def test_exports_and_version():
-    assert flashgdn.__version__ == "0.1.0"
-    assert _C.version().startswith("0.1")
+    assert flashgdn.__version__ == "0.2.0"
+    assert _C.version() == flashgdn.__version__
     assert isinstance(flashgdn.has_cuda(), bool)
     for name in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd",
                  "__version__", "has_cuda"):
@@ -301,11 +301,11 @@ def test_opcheck():
     """torch.library.opcheck: schema, fake (meta) kernels, autograd registration, AOT dispatch."""
     c = make_case(lengths=[70, 10], Hq=1, Hv=2, K=32, V=32, dtype=torch.float32, gate_in_kernel=True)
     args = (c.q.requires_grad_(), c.k, c.v, c.g.requires_grad_(), c.beta, c.A_log, c.dt_bias, c.cu_seqlens,
-            c.cu_seqlens_host, c.initial_state, None, 0.2, True, True, False, True, 64)
+            c.cu_seqlens_host, c.initial_state, None, 0.2, True, True, False, True, 64, True)
     torch.library.opcheck(torch.ops.flashgdn.chunk_gated_delta_rule_fwd.default, args)
     bwd_args = (c.q.detach(), c.k, c.v, c.g.detach(), c.beta, c.A_log, c.dt_bias, c.cu_seqlens,
-                c.cu_seqlens_host, c.initial_state, None, 0.2, True, True, False,
-                torch.randn(c.v.shape), torch.randn(c.initial_state.shape), True)
+                c.cu_seqlens_host, c.initial_state, None, None, True, True, False,
+                torch.randn(c.v.shape), torch.randn(c.initial_state.shape), True, False)
     torch.library.opcheck(torch.ops.flashgdn.chunk_gated_delta_rule_bwd.default, bwd_args)
 
 
@@ -393,7 +393,7 @@ def _bad_variants(c):
         ("initial_state", dict(initial_state=c.initial_state[:, :, :, :16])),
         ("initial_state", dict(initial_state=c.initial_state.half())),
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, 40, T], dtype=torch.int32))),
-        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, T - 1], dtype=torch.int32))),
+        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, 80, T - 1], dtype=torch.int32))),
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, T], dtype=torch.float32))),
         ("state_indices", dict(state_indices=torch.tensor([0, 9, 1], dtype=torch.int32))),
         ("checkpoint_every", dict(checkpoint_every=48)),
