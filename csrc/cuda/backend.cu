@@ -11,24 +11,6 @@
 #include "cuda/device_utils.cuh"
 
 namespace flashgdn::cuda {
-namespace {
-
-// Makes the tensors' device current for the scope and restores the caller's device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device_id) {
-    FGDN_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device_id) FGDN_CUDA_CHECK(cudaSetDevice(device_id));
-  }
-  ~DeviceScope() { cudaSetDevice(prev_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
-}  // namespace
 
 size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& /*a*/) {
   return chunk_fwd_workspace_bytes(p);

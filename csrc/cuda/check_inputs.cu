@@ -91,21 +91,6 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(PackParams p) {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
-// Makes device_id current for the scope and restores the caller's device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device_id) {
-    FGDN_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device_id) FGDN_CUDA_CHECK(cudaSetDevice(device_id));
-  }
-  ~DeviceScope() { cudaSetDevice(prev_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
 }  // namespace
 
 ValueCheckOutcome run_value_checks(const std::vector<ValueCheck>& checks, const fgdn_tensor* cu_seqlens,

@@ -1,7 +1,8 @@
 // Shared device utilities of the CUDA backend (forward and backward kernels).
 //
 //  - FGDN_CUDA_CHECK(expr) / check_launch(what): throw flashgdn::cuda::CudaError on failure
-//    (CudaError is defined in cuda_backend.h; the C ABI maps it to FGDN_ERROR_CUDA).
+//    (CudaError is defined in cuda_backend.h; the C ABI maps it to FGDN_ERROR_CUDA);
+//    DeviceScope: the tensors' device current for a host scope.
 //  - Element conversions: to_float / from_float<T> for float, __nv_bfloat16, __half, and
 //    load_as_float(ptr, dtype, i) for a run-time storage dtype (fp32 | bf16 | fp16).
 //  - Warp reductions and an inclusive warp scan.
@@ -44,6 +45,21 @@ inline void cuda_check(cudaError_t e, const char* what, const char* file, int li
   ::flashgdn::cuda::cuda_check(cudaGetLastError(), (what), __FILE__, __LINE__)
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Makes the tensors' device current for the scope and restores the caller's device (host).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device_id) {
+    FGDN_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device_id) FGDN_CUDA_CHECK(cudaSetDevice(device_id));
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int prev_ = 0;
+};
 
 // ---- element conversions -------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -11,70 +11,20 @@
 #include <vector>
 
 #include "flashgdn/flashgdn.hpp"
+#include "test_util.h"
 
 namespace {
 
 using flashgdn::host_tensor;
 
-constexpr float kSentinel = 12345.f;
+using flashgdn::test::kSentinel;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Dense B = 2, T = 20, Hq = 1, Hv = 2, K = V = 16, fp32, with an initial state.
-struct Fixture {
-  static constexpr int64_t B = 2, T = 20, Hv = 2, K = 16, V = 16;
-  std::vector<float> q, k, v, g, beta, h0, d_o, dht, A_log;
-  std::vector<float> o, ht, dq, dk, dv, dg, dbeta, dh0;
-  flashgdn::FwdArgs fa;
-  flashgdn::BwdArgs ba;
-
-  Fixture() {
-    auto fill = [](std::vector<float>& x, int64_t n, float base) {
-      x.resize(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = base + 0.1f * std::sin(static_cast<float>(i));
-    };
-    fill(q, B * T * K, 0.f);
-    fill(k, B * T * K, 0.f);
-    fill(v, B * T * Hv * V, 0.f);
-    fill(g, B * T * Hv, -0.5f);
-    fill(beta, B * T * Hv, 0.5f);
-    fill(h0, B * Hv * K * V, 0.f);
-    fill(d_o, B * T * Hv * V, 0.f);
-    fill(dht, B * Hv * K * V, 0.f);
-    fill(A_log, Hv, 0.f);
-    for (auto* x : {&o, &dv}) x->assign(static_cast<size_t>(B * T * Hv * V), kSentinel);
-    for (auto* x : {&ht, &dh0}) x->assign(static_cast<size_t>(B * Hv * K * V), kSentinel);
-    for (auto* x : {&dq, &dk}) x->assign(static_cast<size_t>(B * T * K), kSentinel);
-    for (auto* x : {&dg, &dbeta}) x->assign(static_cast<size_t>(B * T * Hv), kSentinel);
-
-    fgdn_inputs& in = fa.in;
-    in.q = host_tensor(q.data(), FGDN_FLOAT32, {B, T, 1, K});
-    in.k = host_tensor(k.data(), FGDN_FLOAT32, {B, T, 1, K});
-    in.v = host_tensor(v.data(), FGDN_FLOAT32, {B, T, Hv, V});
-    in.g = host_tensor(g.data(), FGDN_FLOAT32, {B, T, Hv});
-    in.beta = host_tensor(beta.data(), FGDN_FLOAT32, {B, T, Hv});
-    in.initial_state = host_tensor(h0.data(), FGDN_FLOAT32, {B, Hv, K, V});
-    in.check_inputs = 1;
-    fa.o = host_tensor(o.data(), FGDN_FLOAT32, {B, T, Hv, V});
-    fa.final_state = host_tensor(ht.data(), FGDN_FLOAT32, {B, Hv, K, V});
-    fa.output_final_state = 1;
-    ba.in = in;
-    ba.d_o = host_tensor(d_o.data(), FGDN_FLOAT32, {B, T, Hv, V});
-    ba.d_final_state = host_tensor(dht.data(), FGDN_FLOAT32, {B, Hv, K, V});
-    ba.dq = host_tensor(dq.data(), FGDN_FLOAT32, {B, T, 1, K});
-    ba.dk = host_tensor(dk.data(), FGDN_FLOAT32, {B, T, 1, K});
-    ba.dv = host_tensor(dv.data(), FGDN_FLOAT32, {B, T, Hv, V});
-    ba.dg = host_tensor(dg.data(), FGDN_FLOAT32, {B, T, Hv});
-    ba.dbeta = host_tensor(dbeta.data(), FGDN_FLOAT32, {B, T, Hv});
-    ba.dh0 = host_tensor(dh0.data(), FGDN_FLOAT32, {B, Hv, K, V});
-  }
-
-  bool outputs_untouched() const {
-    for (const auto* out : {&o, &ht, &dq, &dk, &dv, &dg, &dbeta, &dh0})
-      for (float x : *out)
-        if (x != kSentinel) return false;
-    return true;
-  }
+// Varlen T = 40 in two sequences of 20, Hq = 1, Hv = 2, K = V = 16, fp32, with an initial state;
+// check mode on in both calls.
+struct Fixture : flashgdn::test::HostCall {
+  Fixture() : HostCall({0, 20, 40}, 1, 2, 16, 16, false, 0) { fa.in.check_inputs = ba.in.check_inputs = 1; }
 };
 
 void expect_refused(Fixture& f, bool backward, const std::vector<std::string>& parts) {
@@ -87,11 +37,11 @@ void expect_refused(Fixture& f, bool backward, const std::vector<std::string>& p
 
 TEST(CheckMode, NanInQNamesFirstElement) {
   Fixture f;
-  // q[1, 12, 0, 3] and a later one: the first in row-major order is named.
-  f.q[static_cast<size_t>(((1 * 20 + 12) * 1 + 0) * 16 + 3)] = kNaN;
-  f.q[static_cast<size_t>(((1 * 20 + 15) * 1 + 0) * 16 + 0)] = kInf;
-  expect_refused(f, false, {"'q'", "finite values (check_inputs)", "nan at q[1, 12, 0, 3]"});
-  expect_refused(f, true, {"'q'", "nan at q[1, 12, 0, 3]"});
+  // q[0, 32, 0, 3] and a later one: the first in row-major order is named.
+  f.q[32 * 16 + 3] = kNaN;
+  f.q[35 * 16 + 0] = kInf;
+  expect_refused(f, false, {"'q'", "finite values (check_inputs)", "nan at q[0, 32, 0, 3]"});
+  expect_refused(f, true, {"'q'", "nan at q[0, 32, 0, 3]"});
   // Off: the call runs (what the numbers become is the numerics' business).
   f.fa.in.check_inputs = 0;
   EXPECT_EQ(fgdn_forward(&f.fa, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
@@ -120,7 +70,7 @@ TEST(CheckMode, EveryInput) {
   {
     Fixture f;
     f.v.back() = kNaN;
-    expect_refused(f, false, {"'v'", "at v[1, 19, 1, 15]"});
+    expect_refused(f, false, {"'v'", "at v[0, 39, 1, 15]"});
   }
   {
     Fixture f;
@@ -147,11 +97,11 @@ TEST(CheckMode, EveryInput) {
 // Strided inputs are checked through their strides: a NaN in padding nobody reads is fine.
 TEST(CheckMode, OnlyAddressedElements) {
   Fixture f;
-  std::vector<float> padded(static_cast<size_t>(2 * 20 * 32), kNaN);
+  std::vector<float> padded(static_cast<size_t>(40 * 32), kNaN);
   for (int64_t r = 0; r < 40; ++r)
     for (int64_t d = 0; d < 16; ++d) padded[static_cast<size_t>(r * 32 + d)] = f.q[static_cast<size_t>(r * 16 + d)];
-  f.fa.in.q = host_tensor(padded.data(), FGDN_FLOAT32, {2, 20, 1, 16});
-  f.fa.in.q.strides[0] = 20 * 32;
+  f.fa.in.q = host_tensor(padded.data(), FGDN_FLOAT32, {1, 40, 1, 16});
+  f.fa.in.q.strides[0] = 40 * 32;
   f.fa.in.q.strides[1] = f.fa.in.q.strides[2] = 32;
   EXPECT_EQ(fgdn_forward(&f.fa, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
 }

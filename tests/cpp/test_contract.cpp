@@ -15,12 +15,13 @@
 #include <vector>
 
 #include "flashgdn/flashgdn.hpp"
+#include "test_util.h"
 
 namespace {
 
 using flashgdn::host_tensor;
 
-constexpr float kSentinel = 12345.f;
+using flashgdn::test::kSentinel;
 constexpr int64_t kBig59 = (int64_t{1} << 59) + 1;
 constexpr int64_t kBig62 = int64_t{1} << 62;
 
@@ -29,73 +30,12 @@ fgdn_tensor none() { return fgdn_tensor_none(); }
 // A small valid varlen problem (fp32, T = 70 in sequences of 30 and 40 tokens, Hq = 1, Hv = 2,
 // K = V = 16) with an initial state, every output sentinel-filled, and the gate computed in the
 // kernel in the backward (so dA_log and ddt_bias are outputs too).
-struct Fixture {
+struct Fixture : flashgdn::test::HostCall {
   static constexpr int64_t T = 70, Hq = 1, Hv = 2, K = 16, V = 16, N = 2;
-  std::vector<float> q, k, v, g, beta, h0, A_log, dt_bias, d_o, dht;
-  std::vector<float> o, ht, ck, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
-  std::vector<int64_t> cu{0, 30, T};
-  flashgdn::FwdArgs fa;
-  flashgdn::BwdArgs ba;
-
-  Fixture() {
-    auto fill = [](std::vector<float>& x, int64_t n, float scale, float shift) {
-      x.resize(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = shift + scale * std::sin(0.7f * static_cast<float>(i) + shift);
-    };
-    fill(q, T * Hq * K, 0.3f, 0.f);
-    fill(k, T * Hq * K, 0.2f, 0.1f);
-    fill(v, T * Hv * V, 0.5f, 0.2f);
-    fill(g, T * Hv, 0.1f, -0.3f);
-    fill(beta, T * Hv, 0.2f, 0.5f);
-    fill(h0, N * Hv * K * V, 0.05f, 0.f);
-    fill(A_log, Hv, 0.1f, -1.f);
-    fill(dt_bias, Hv, 0.1f, 0.f);
-    fill(d_o, T * Hv * V, 1.f, 0.f);
-    fill(dht, N * Hv * K * V, 0.1f, 0.f);
-    for (auto* x : {&o, &dv}) x->assign(static_cast<size_t>(T * Hv * V), kSentinel);
-    for (auto* x : {&ht, &dh0}) x->assign(static_cast<size_t>(N * Hv * K * V), kSentinel);
-    ck.assign(static_cast<size_t>(2 * Hv * K * V), kSentinel);
-    for (auto* x : {&dq, &dk}) x->assign(static_cast<size_t>(T * Hq * K), kSentinel);
-    for (auto* x : {&dg, &dbeta}) x->assign(static_cast<size_t>(T * Hv), kSentinel);
-    for (auto* x : {&dA_log, &ddt_bias}) x->assign(static_cast<size_t>(Hv), kSentinel);
-
-    fgdn_inputs& in = fa.in;
-    in.q = host_tensor(q.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    in.k = host_tensor(k.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    in.v = host_tensor(v.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    in.g = host_tensor(g.data(), FGDN_FLOAT32, {1, T, Hv});
-    in.beta = host_tensor(beta.data(), FGDN_FLOAT32, {1, T, Hv});
-    in.cu_seqlens = host_tensor(cu.data(), FGDN_INT64, {N + 1});
-    in.initial_state = host_tensor(h0.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    fa.o = host_tensor(o.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    fa.final_state = host_tensor(ht.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    fa.output_final_state = 1;
-
-    ba.in = in;
-    ba.in.gate_in_kernel = 1;
-    ba.in.A_log = host_tensor(A_log.data(), FGDN_FLOAT32, {Hv});
-    ba.in.dt_bias = host_tensor(dt_bias.data(), FGDN_FLOAT32, {Hv});
-    ba.d_o = host_tensor(d_o.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    ba.d_final_state = host_tensor(dht.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    ba.dq = host_tensor(dq.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    ba.dk = host_tensor(dk.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    ba.dv = host_tensor(dv.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    ba.dg = host_tensor(dg.data(), FGDN_FLOAT32, {1, T, Hv});
-    ba.dbeta = host_tensor(dbeta.data(), FGDN_FLOAT32, {1, T, Hv});
-    ba.dA_log = host_tensor(dA_log.data(), FGDN_FLOAT32, {Hv});
-    ba.ddt_bias = host_tensor(ddt_bias.data(), FGDN_FLOAT32, {Hv});
-    ba.dh0 = host_tensor(dh0.data(), FGDN_FLOAT32, {N, Hv, K, V});
-  }
-
-  bool outputs_untouched() const {
-    for (const auto* out : {&o, &ht, &ck, &dq, &dk, &dv, &dg, &dbeta, &dh0, &dA_log, &ddt_bias})
-      for (float x : *out)
-        if (x != kSentinel) return false;
-    return true;
-  }
+  Fixture() : HostCall({0, 30, T}, Hq, Hv, K, V, true, 2) {}
 
   // Every token tensor of both calls: [1, T, H, ...] with T replaced by `t_ext` and the
-  // token stride by `t_stride` (and the batch stride 0, B = 1).
+  // token stride multiplied by `t_stride_scale` (and the batch stride 0, B = 1).
   void set_tokens(int64_t t_ext, int64_t t_stride_scale) {
     for (fgdn_tensor* x : {&fa.in.q, &fa.in.k, &fa.in.v, &fa.in.g, &fa.in.beta, &fa.o, &ba.in.q,
                            &ba.in.k, &ba.in.v, &ba.in.g, &ba.in.beta, &ba.d_o, &ba.dq, &ba.dk, &ba.dv,

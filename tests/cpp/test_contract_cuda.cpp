@@ -38,58 +38,52 @@ bool have_device() {
 #define REQUIRE_DEVICE() \
   if (!have_device()) GTEST_SKIP() << "no CUDA device"
 
-// An aligned device-looking address that is never dereferenced (validation refuses first).
-fgdn_tensor fake(uintptr_t addr, fgdn_dtype dt, std::initializer_list<int64_t> shape) {
-  return make_tensor(reinterpret_cast<void*>(addr), dt, shape, FGDN_CUDA, 0);
+// A dense bf16 forward of T tokens, Hq = 1, Hv heads, K = V = 64, whose tensors are fake device
+// addresses, each in its own 256 MiB window: never dereferenced (validation refuses first).
+flashgdn::FwdArgs fake_forward(int64_t T, int64_t Hv) {
+  uintptr_t next = 0x10000000;
+  auto fake = [&next](fgdn_dtype dt, std::initializer_list<int64_t> shape) {
+    const uintptr_t at = next;
+    next += 0x10000000;
+    return make_tensor(reinterpret_cast<void*>(at), dt, shape, FGDN_CUDA, 0);
+  };
+  flashgdn::FwdArgs a;
+  a.in.q = fake(FGDN_BFLOAT16, {1, T, 1, 64});
+  a.in.k = fake(FGDN_BFLOAT16, {1, T, 1, 64});
+  a.in.v = fake(FGDN_BFLOAT16, {1, T, Hv, 64});
+  a.in.g = fake(FGDN_FLOAT32, {1, T, Hv});
+  a.in.beta = fake(FGDN_FLOAT32, {1, T, Hv});
+  a.o = fake(FGDN_BFLOAT16, {1, T, Hv, 64});
+  return a;
 }
 
-// Calls larger than the kernels' grids: FGDN_ERROR_NOT_SUPPORTED with the reason, from the
-// workspace query (which reads nothing) as from the call.
+void expect_query(const flashgdn::FwdArgs& a, fgdn_status want, const std::string& part) {
+  size_t bytes = 0;
+  EXPECT_EQ(fgdn_forward_workspace_size(&a, &bytes), want) << fgdn_last_error();
+  EXPECT_NE(std::string(fgdn_last_error()).find(part), std::string::npos) << fgdn_last_error();
+}
+
+// Calls larger than the kernels' grids: FGDN_ERROR_NOT_SUPPORTED with the reason, already from
+// the workspace query (which reads nothing).
 TEST(CudaContract, LaunchLimitsNotSupported) {
   // 65536 value heads (grid y is at most 65535): every tensor small enough to exist.
-  {
-    flashgdn::FwdArgs a;
-    a.in.q = fake(0x100000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    a.in.k = fake(0x200000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    a.in.v = fake(0x10000000, FGDN_BFLOAT16, {1, 1, 65536, 64});
-    a.in.g = fake(0x20000000, FGDN_FLOAT32, {1, 1, 65536});
-    a.in.beta = fake(0x30000000, FGDN_FLOAT32, {1, 1, 65536});
-    a.o = fake(0x40000000, FGDN_BFLOAT16, {1, 1, 65536, 64});
-    size_t bytes = 0;
-    EXPECT_EQ(fgdn_forward_workspace_size(&a, &bytes), FGDN_ERROR_NOT_SUPPORTED);
-    EXPECT_NE(std::string(fgdn_last_error()).find("65535 heads"), std::string::npos) << fgdn_last_error();
-  }
+  expect_query(fake_forward(1, 65536), FGDN_ERROR_NOT_SUPPORTED, "65535 heads");
   // 2^31 sequences (grid x is at most 2^31 - 1).
-  {
-    const int64_t N = int64_t{1} << 31;
-    flashgdn::FwdArgs a;
-    a.in.q = fake(0x100000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    a.in.k = fake(0x200000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    a.in.v = fake(0x300000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    a.in.g = fake(0x400000, FGDN_FLOAT32, {1, 1, 1});
-    a.in.beta = fake(0x500000, FGDN_FLOAT32, {1, 1, 1});
-    a.in.cu_seqlens = fake(0x1000000000, FGDN_INT32, {N + 1});
-    a.o = fake(0x600000, FGDN_BFLOAT16, {1, 1, 1, 64});
-    size_t bytes = 0;
-    EXPECT_EQ(fgdn_forward_workspace_size(&a, &bytes), FGDN_ERROR_NOT_SUPPORTED);
-    EXPECT_NE(std::string(fgdn_last_error()).find("2^31 - 1 sequences"), std::string::npos) << fgdn_last_error();
-  }
+  flashgdn::FwdArgs a = fake_forward(1, 1);
+  a.in.cu_seqlens = make_tensor(reinterpret_cast<void*>(uintptr_t{1} << 40), FGDN_INT32,
+                                {(int64_t{1} << 31) + 1}, FGDN_CUDA, 0);
+  expect_query(a, FGDN_ERROR_NOT_SUPPORTED, "2^31 - 1 sequences");
 }
 
 // The caller's workspace is written: 256-byte aligned and disjoint from every tensor. Refused
 // in validation, before anything touches the (fake) device memory.
 TEST(CudaContract, WorkspaceChecked) {
-  flashgdn::FwdArgs a;
-  a.in.q = fake(0x100000, FGDN_BFLOAT16, {1, 64, 1, 64});
-  a.in.k = fake(0x200000, FGDN_BFLOAT16, {1, 64, 1, 64});
-  a.in.v = fake(0x300000, FGDN_BFLOAT16, {1, 64, 1, 64});
-  a.in.g = fake(0x400000, FGDN_FLOAT32, {1, 64, 1});
-  a.in.beta = fake(0x500000, FGDN_FLOAT32, {1, 64, 1});
-  a.o = fake(0x600000, FGDN_BFLOAT16, {1, 64, 1, 64});
-  EXPECT_EQ(fgdn_forward(&a, reinterpret_cast<void*>(0x700010), 4096, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  flashgdn::FwdArgs a = fake_forward(64, 1);
+  void* unaligned = static_cast<char*>(a.o.data) + 0x1000010;
+  EXPECT_EQ(fgdn_forward(&a, unaligned, 4096, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fgdn_last_error()).find("'workspace': expected a 256-byte aligned pointer"), std::string::npos)
       << fgdn_last_error();
-  EXPECT_EQ(fgdn_forward(&a, reinterpret_cast<void*>(0x600000 - 256), 4096, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(fgdn_forward(&a, static_cast<char*>(a.o.data) - 256, 4096, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fgdn_last_error()).find("argument 'o'"), std::string::npos) << fgdn_last_error();
 }
 

@@ -111,6 +111,85 @@ struct HostBuffer {
   }
 };
 
+// ---- a small host call whose outputs show what was written ---------------------------------
+
+constexpr float kSentinel = 12345.f;
+
+// A valid varlen fp32 call on the CPU over host vectors: one batch row of cu.back() tokens,
+// an initial state, final states requested, `ck_rows` checkpoint rows allocated (not passed);
+// every output filled with kSentinel, so that a test sees whatever a call wrote. With `gate`
+// the backward computes the gate in the kernel (A_log, dt_bias in; dA_log, ddt_bias out).
+struct HostCall {
+  std::vector<float> q, k, v, g, beta, h0, A_log, dt_bias, d_o, dht;
+  std::vector<float> o, ht, ck, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias;
+  std::vector<int64_t> cu;
+  FwdArgs fa;
+  BwdArgs ba;
+
+  HostCall(std::vector<int64_t> cu_seqlens, int64_t Hq, int64_t Hv, int64_t K, int64_t V, bool gate,
+           int64_t ck_rows)
+      : cu(std::move(cu_seqlens)) {
+    const int64_t T = cu.back(), N = static_cast<int64_t>(cu.size()) - 1;
+    auto fill = [](std::vector<float>& x, int64_t n, float scale, float shift) {
+      x.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i)
+        x[static_cast<size_t>(i)] = shift + scale * std::sin(0.7f * static_cast<float>(i) + shift);
+    };
+    fill(q, T * Hq * K, 0.3f, 0.f);
+    fill(k, T * Hq * K, 0.2f, 0.1f);
+    fill(v, T * Hv * V, 0.5f, 0.2f);
+    fill(g, T * Hv, 0.1f, -0.3f);
+    fill(beta, T * Hv, 0.2f, 0.5f);
+    fill(h0, N * Hv * K * V, 0.05f, 0.f);
+    fill(A_log, Hv, 0.1f, -1.f);
+    fill(dt_bias, Hv, 0.1f, 0.f);
+    fill(d_o, T * Hv * V, 1.f, 0.f);
+    fill(dht, N * Hv * K * V, 0.1f, 0.f);
+    for (auto* x : {&o, &dv}) x->assign(static_cast<size_t>(T * Hv * V), kSentinel);
+    for (auto* x : {&ht, &dh0}) x->assign(static_cast<size_t>(N * Hv * K * V), kSentinel);
+    ck.assign(static_cast<size_t>(ck_rows * Hv * K * V), kSentinel);
+    for (auto* x : {&dq, &dk}) x->assign(static_cast<size_t>(T * Hq * K), kSentinel);
+    for (auto* x : {&dg, &dbeta}) x->assign(static_cast<size_t>(T * Hv), kSentinel);
+    for (auto* x : {&dA_log, &ddt_bias}) x->assign(static_cast<size_t>(Hv), kSentinel);
+
+    fgdn_inputs& in = fa.in;
+    in.q = host_tensor(q.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    in.k = host_tensor(k.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    in.v = host_tensor(v.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    in.g = host_tensor(g.data(), FGDN_FLOAT32, {1, T, Hv});
+    in.beta = host_tensor(beta.data(), FGDN_FLOAT32, {1, T, Hv});
+    in.cu_seqlens = host_tensor(cu.data(), FGDN_INT64, {N + 1});
+    in.initial_state = host_tensor(h0.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    fa.o = host_tensor(o.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    fa.final_state = host_tensor(ht.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    fa.output_final_state = 1;
+
+    ba.in = in;
+    ba.d_o = host_tensor(d_o.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    ba.d_final_state = host_tensor(dht.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    ba.dq = host_tensor(dq.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    ba.dk = host_tensor(dk.data(), FGDN_FLOAT32, {1, T, Hq, K});
+    ba.dv = host_tensor(dv.data(), FGDN_FLOAT32, {1, T, Hv, V});
+    ba.dg = host_tensor(dg.data(), FGDN_FLOAT32, {1, T, Hv});
+    ba.dbeta = host_tensor(dbeta.data(), FGDN_FLOAT32, {1, T, Hv});
+    ba.dh0 = host_tensor(dh0.data(), FGDN_FLOAT32, {N, Hv, K, V});
+    if (gate) {
+      ba.in.gate_in_kernel = 1;
+      ba.in.A_log = host_tensor(A_log.data(), FGDN_FLOAT32, {Hv});
+      ba.in.dt_bias = host_tensor(dt_bias.data(), FGDN_FLOAT32, {Hv});
+      ba.dA_log = host_tensor(dA_log.data(), FGDN_FLOAT32, {Hv});
+      ba.ddt_bias = host_tensor(ddt_bias.data(), FGDN_FLOAT32, {Hv});
+    }
+  }
+
+  bool outputs_untouched() const {
+    for (const auto* out : {&o, &ht, &ck, &dq, &dk, &dv, &dg, &dbeta, &dh0, &dA_log, &ddt_bias})
+      for (float x : *out)
+        if (x != kSentinel) return false;
+    return true;
+  }
+};
+
 // ---- errors -----------------------------------------------------------------------------
 
 // ||x - ref|| / ||ref|| (||x|| when ref is zero).

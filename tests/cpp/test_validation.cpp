@@ -9,72 +9,18 @@
 #include <vector>
 
 #include "flashgdn/flashgdn.hpp"
+#include "test_util.h"
 
 namespace {
 
 using flashgdn::host_tensor;
 
-constexpr float kSentinel = 12345.f;
+using flashgdn::test::kSentinel;
 
-// A valid small varlen problem on the host (fp32), with every output pre-filled by a sentinel.
-struct Fixture {
-  static constexpr int64_t T = 70, Hq = 2, Hv = 4, K = 16, V = 32, N = 2;
-  std::vector<float> q, k, v, g, beta, h0, o, ht, ck, d_o, dht, dq, dk, dv, dg, dbeta, dh0, A_log;
-  std::vector<int64_t> cu{0, 30, T};
-  std::vector<int64_t> idx{1, 0};
-  flashgdn::FwdArgs fa;
-  flashgdn::BwdArgs ba;
-
-  Fixture() {
-    auto init = [](std::vector<float>& x, size_t n, float val) { x.assign(n, val); };
-    init(q, T * Hq * K, 0.1f);
-    init(k, T * Hq * K, 0.1f);
-    init(v, T * Hv * V, 0.2f);
-    init(g, T * Hv, -0.5f);
-    init(beta, T * Hv, 0.5f);
-    init(h0, N * Hv * K * V, 0.01f);
-    init(d_o, T * Hv * V, 1.f);
-    init(dht, N * Hv * K * V, 1.f);
-    init(A_log, Hv, 0.f);
-    init(o, T * Hv * V, kSentinel);
-    init(ht, N * Hv * K * V, kSentinel);
-    init(ck, 4 * Hv * K * V, kSentinel);
-    init(dq, T * Hq * K, kSentinel);
-    init(dk, T * Hq * K, kSentinel);
-    init(dv, T * Hv * V, kSentinel);
-    init(dg, T * Hv, kSentinel);
-    init(dbeta, T * Hv, kSentinel);
-    init(dh0, N * Hv * K * V, kSentinel);
-
-    fgdn_inputs& in = fa.in;
-    in.q = host_tensor(q.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    in.k = host_tensor(k.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    in.v = host_tensor(v.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    in.g = host_tensor(g.data(), FGDN_FLOAT32, {1, T, Hv});
-    in.beta = host_tensor(beta.data(), FGDN_FLOAT32, {1, T, Hv});
-    in.cu_seqlens = host_tensor(cu.data(), FGDN_INT64, {N + 1});
-    in.initial_state = host_tensor(h0.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    fa.o = host_tensor(o.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    fa.final_state = host_tensor(ht.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    fa.output_final_state = 1;
-
-    ba.in = in;
-    ba.d_o = host_tensor(d_o.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    ba.d_final_state = host_tensor(dht.data(), FGDN_FLOAT32, {N, Hv, K, V});
-    ba.dq = host_tensor(dq.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    ba.dk = host_tensor(dk.data(), FGDN_FLOAT32, {1, T, Hq, K});
-    ba.dv = host_tensor(dv.data(), FGDN_FLOAT32, {1, T, Hv, V});
-    ba.dg = host_tensor(dg.data(), FGDN_FLOAT32, {1, T, Hv});
-    ba.dbeta = host_tensor(dbeta.data(), FGDN_FLOAT32, {1, T, Hv});
-    ba.dh0 = host_tensor(dh0.data(), FGDN_FLOAT32, {N, Hv, K, V});
-  }
-
-  bool outputs_untouched() const {
-    for (const auto* out : {&o, &ht, &ck, &dq, &dk, &dv, &dg, &dbeta, &dh0})
-      for (float x : *out)
-        if (x != kSentinel) return false;
-    return true;
-  }
+// A valid small varlen problem on the host (fp32; T = 70 in sequences of 30 and 40 tokens,
+// Hq = 2, Hv = 4, K = 16, V = 32), with every output pre-filled by a sentinel.
+struct Fixture : flashgdn::test::HostCall {
+  Fixture() : HostCall({0, 30, 70}, 2, 4, 16, 32, false, 4) {}
 };
 
 struct Case {
