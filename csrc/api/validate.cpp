@@ -104,8 +104,6 @@ class Checker {
  public:
   explicit Checker(const char* fn) : fn_(fn) {}
 
-  const char* fn() const { return fn_; }
-
   [[noreturn]] void fail(const std::string& arg, const std::string& expected,
                          const std::string& got) const {
     throw InvalidArgument(std::string(fn_) + ": argument '" + arg + "': expected " + expected +
@@ -270,7 +268,7 @@ class Checker {
       fail(name, "a 16-byte aligned data pointer on cuda", "an unaligned pointer");
     if (t.ndim >= 2 && t.shape[t.ndim - 1] * static_cast<int64_t>(es) >= 16) {
       for (int d = 0; d + 1 < t.ndim; ++d)
-        if ((t.strides[d] * static_cast<int64_t>(es)) % 16 != 0 && t.shape[d] > 1)
+        if (t.shape[d] > 1 && (t.strides[d] * static_cast<int64_t>(es)) % 16 != 0)  // (fits: < bytes)
           fail(name, "strides that are multiples of 16 bytes on cuda",
                "stride " + std::to_string(t.strides[d]) + " in dimension " + std::to_string(d));
     }

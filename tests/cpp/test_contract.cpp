@@ -267,6 +267,12 @@ std::vector<Hostile> hostile_calls() {
   add("o_on_cpu_1", kFwd, [](Fixture& f) { f.fa.o.device_id = 1; }, {"'o'", "got a tensor on cpu:1"});
   add("o_on_cuda_7", kFwd, [](Fixture& f) { f.fa.o.device_type = FGDN_CUDA; f.fa.o.device_id = 7; },
       {"'o'", "a tensor on cpu (the device of q)", "cuda:7"});
+  in("cuda_q_huge_stride_on_extent_1", [](fgdn_inputs& x) {
+       // The CUDA alignment rule looks at strides of extents > 1 only (this one would overflow
+       // in bytes); the call is then refused for k on another device.
+       x.q.device_type = FGDN_CUDA;
+       x.q.strides[2] = kBig62;
+     }, {"'k'", "the device of q"});
   in("cuda_device_id_negative", [](fgdn_inputs& x) { x.q.device_type = FGDN_CUDA; x.q.device_id = -1; },
      {"'q'", "device id"});
   in("cu_seqlens_host_on_cuda", [](fgdn_inputs& x) {
