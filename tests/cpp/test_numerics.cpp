@@ -1,0 +1,347 @@
+// Numerics of the call contract (issue 15):
+//   - the host dtype conversions (common/dtype.h) against independent references, over every
+//     float32 bit pattern for fp16, and fp16 results of the CPU backend element by element;
+//   - g = -inf (a hard reset) and in-kernel gates that overflow or underflow in float32, on the
+//     oracle, the CPU backend and the CUDA backend (the gate floor, common/numerics.h);
+//   - q / k rows whose sum of squares overflows float32 with the in-kernel l2norm;
+//   - how far a NaN or infinity in one input element reaches (docs/api.md, "Non-finite values").
+// CUDA tests skip without a device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/dtype.h"
+#include "cpu_check.h"
+#include "cuda_check.h"
+#include "flashgdn/flashgdn.hpp"
+#include "gdn_reference.h"
+#include "test_util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FGDN_TEST_X86 1
+#endif
+
+namespace ft = flashgdn::test;
+namespace ref = flashgdn::reference;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// The same bits as another type of the same size (std::bit_cast of C++20).
+template <class To, class From>
+To bit_cast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "sizes differ");
+  To y;
+  std::memcpy(&y, &x, sizeof(To));
+  return y;
+}
+uint32_t bits_of(float f) { return bit_cast<uint32_t>(f); }
+float float_of(uint32_t u) { return bit_cast<float>(u); }
+
+// Runs body(lo, hi) on disjoint parts of [0, n) on every hardware thread; returns the sum of
+// what the calls return (a count of mismatches).
+uint64_t parallel_count(uint64_t n, const std::function<uint64_t(uint64_t, uint64_t)>& body) {
+  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
+  std::atomic<uint64_t> total{0};
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < nt; ++w)
+    pool.emplace_back([&, w] { total += body(n * w / nt, n * (w + 1) / nt); });
+  for (auto& t : pool) t.join();
+  return total;
+}
+
+// ---- independent references for float <-> fp16 ------------------------------------------------
+// The x86 F16C instructions (the hardware conversion, round to nearest even); without them GCC's
+// _Float16 (software, slow: the sweep is then reduced, see Fp16Conversion).
+
+bool have_f16c() {
+#if defined(FGDN_TEST_X86)
+  return __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+#if defined(FGDN_TEST_X86)
+// out[0, 8) = fp16 of f[0, 8)
+__attribute__((target("avx,f16c"))) void f16c_from_float8(const float* f, uint16_t* out) {
+  const __m128i r =
+      _mm256_cvtps_ph(_mm256_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), r);
+}
+__attribute__((target("f16c"))) float f16c_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Mismatches of flashgdn::float_to_fp16 against F16C on every bit pattern in [lo, hi) (both
+// multiples of 8), the first few printed.
+__attribute__((target("avx2,f16c"))) uint64_t f16c_sweep(uint64_t lo, uint64_t hi) {
+  uint64_t bad = 0;
+  __m256i u = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(lo))),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  alignas(32) float f[8];
+  alignas(16) uint16_t want[8];
+  for (uint64_t i = lo; i < hi; i += 8) {
+    const __m256 x = _mm256_castsi256_ps(u);
+    _mm_store_si128(reinterpret_cast<__m128i*>(want),
+                    _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_store_ps(f, x);
+    for (int j = 0; j < 8; ++j) {
+      const uint16_t got = flashgdn::float_to_fp16(f[j]);
+      if (got != want[j] && ++bad <= 5)
+        std::printf("float_to_fp16(0x%08x) = 0x%04x, F16C 0x%04x\n",
+                    static_cast<unsigned>(i + j), got, want[j]);
+    }
+    u = _mm256_add_epi32(u, _mm256_set1_epi32(8));
+  }
+  return bad;
+}
+#endif
+
+#if defined(__FLT16_MAX__)
+uint16_t soft_from_float(float f) { return bit_cast<uint16_t>(static_cast<_Float16>(f)); }
+float soft_to_float(uint16_t u) { return static_cast<float>(bit_cast<_Float16>(u)); }
+#endif
+
+bool have_fp16_reference() {
+#if defined(__FLT16_MAX__)
+  return true;
+#else
+  return have_f16c();
+#endif
+}
+
+// The reference conversion of f[0, n) (n <= 8) into out.
+void ref_from_float(const float* f, int n, uint16_t* out) {
+#if defined(FGDN_TEST_X86)
+  if (have_f16c()) {
+    float in[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    uint16_t r[8];
+    std::copy(f, f + n, in);
+    f16c_from_float8(in, r);
+    std::copy(r, r + n, out);
+    return;
+  }
+#endif
+#if defined(__FLT16_MAX__)
+  for (int i = 0; i < n; ++i) out[i] = soft_from_float(f[i]);
+#else
+  (void)f, (void)n, (void)out;
+#endif
+}
+
+float ref_to_float(uint16_t h) {
+#if defined(FGDN_TEST_X86)
+  if (have_f16c()) return f16c_to_float(h);
+#endif
+#if defined(__FLT16_MAX__)
+  return soft_to_float(h);
+#else
+  (void)h;
+  return 0.f;
+#endif
+}
+
+// The sign bit of an fp16 NaN, -1 for any other value.
+int fp16_nan_sign(uint16_t h) { return (h & 0x7fffu) > 0x7c00u ? h >> 15 : -1; }
+
+// Mismatches of flashgdn::float_to_fp16 against the reference on the bit patterns
+// [lo, hi) step `step` (the first few printed).
+uint64_t fp16_mismatches(uint64_t lo, uint64_t hi, uint64_t step) {
+  uint64_t bad = 0;
+  float f[8];
+  uint16_t want[8];
+  for (uint64_t i = lo; i < hi;) {
+    int n = 0;
+    for (; n < 8 && i < hi; ++n, i += step) f[n] = float_of(static_cast<uint32_t>(i));
+    ref_from_float(f, n, want);
+    for (int j = 0; j < n; ++j) {
+      const uint16_t got = flashgdn::float_to_fp16(f[j]);
+      if (got == want[j]) continue;
+      // without F16C the reference may encode NaN otherwise: any NaN of the same sign
+      const int sign = fp16_nan_sign(got);
+      if (!have_f16c() && sign >= 0 && sign == fp16_nan_sign(want[j])) continue;
+      if (++bad <= 5)
+        std::printf("float_to_fp16(0x%08x) = 0x%04x, reference 0x%04x\n", bits_of(f[j]), got,
+                    want[j]);
+    }
+  }
+  return bad;
+}
+
+TEST(Fp16Conversion, FromFloatMatchesHardwareOnEveryFloat32) {
+  if (!have_fp16_reference()) GTEST_SKIP() << "neither F16C nor _Float16 on this machine";
+#if defined(FGDN_TEST_X86)
+  if (have_f16c() && __builtin_cpu_supports("avx2")) {
+    // all 2^32 bit patterns
+    EXPECT_EQ(0u, parallel_count(uint64_t{1} << 29, [](uint64_t lo, uint64_t hi) {
+                return f16c_sweep(8 * lo, 8 * hi);
+              }));
+    return;
+  }
+#endif
+  // _Float16 (software on x86) is too slow for every pattern: every fp16 value of both signs
+  // with the float32 neighbours of it and of the midpoint to the next one (the rounding
+  // boundaries; 65520 for the largest, the overflow boundary), a dense sweep of [2^-40, 2^-13]
+  // (every 7th pattern: underflow and subnormals) and a strided sweep of the rest.
+  uint64_t bad = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    if ((h & 0x7c00u) == 0x7c00u) continue;  // inf, NaN
+    const float a = flashgdn::fp16_to_float(static_cast<uint16_t>(h));
+    const float b = (h & 0x7fffu) == 0x7bffu ? std::copysign(65536.f, a)
+                                            : flashgdn::fp16_to_float(static_cast<uint16_t>(h + 1));
+    for (const float c : {a, 0.5f * (a + b)})  // exact: fp16 values have 11 significant bits
+      for (int d = -2; d <= 2; ++d) {
+        const uint32_t u = bits_of(c) + static_cast<uint32_t>(d);
+        bad += fp16_mismatches(u, uint64_t{u} + 1, 1);
+      }
+  }
+  for (uint32_t sign : {0u, 0x80000000u})
+    bad += fp16_mismatches(sign | 0x2b800000u, sign | 0x39000000u, 7);
+  bad += fp16_mismatches(0, uint64_t{1} << 32, 997);
+  EXPECT_EQ(0u, bad);
+}
+
+TEST(Fp16Conversion, ToFloatMatchesHardwareOnEveryHalf) {
+  if (!have_fp16_reference()) GTEST_SKIP() << "neither F16C nor _Float16 on this machine";
+  int bad = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float got = flashgdn::fp16_to_float(static_cast<uint16_t>(h));
+    const float want = ref_to_float(static_cast<uint16_t>(h));
+    // F16C returns a NaN quiet, payload kept; compare bits (NaN to NaN only without F16C)
+    const bool same = have_f16c() || !std::isnan(want) ? bits_of(got) == bits_of(want)
+                                                       : std::isnan(got);
+    if (!same && ++bad <= 5)
+      std::printf("fp16_to_float(0x%04x) = 0x%08x, reference 0x%08x\n", h, bits_of(got),
+                  bits_of(want));
+  }
+  EXPECT_EQ(0, bad);
+}
+
+// Independent reference for float -> bf16: the two bf16 neighbours of f (truncation, and one
+// step up in magnitude, inf above the largest) and the exact midpoint between them in double.
+uint16_t bf16_reference(float f) {
+  const uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  const uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u;
+  if (lo == u) return static_cast<uint16_t>(u >> 16);
+  const double d = std::fabs(static_cast<double>(f));
+  const double dlo = std::fabs(static_cast<double>(float_of(lo)));
+  // one step above the largest finite bf16 is 2^128: rounding there overflows to inf
+  const double dhi = (hi & 0x7fffffffu) == 0x7f800000u
+                         ? std::ldexp(1.0, 128)
+                         : std::fabs(static_cast<double>(float_of(hi)));
+  const double mid = 0.5 * (dlo + dhi);
+  if (d < mid) return static_cast<uint16_t>(lo >> 16);
+  if (d > mid) return static_cast<uint16_t>(hi >> 16);
+  return static_cast<uint16_t>(((lo >> 16) & 1u) ? hi >> 16 : lo >> 16);  // tie: even
+}
+
+// Every bf16 value (all 2^16 upper halves) with the lower halves around its rounding boundary
+// (0, 1, half - 1, half, half + 1, max and a few between), then a strided sweep of all 2^32.
+TEST(Bf16Conversion, FromFloatRoundsToNearestEven) {
+  const uint32_t lows[] = {0x0000u, 0x0001u, 0x4000u, 0x7ffeu, 0x7fffu, 0x8000u,
+                           0x8001u, 0x8002u, 0xc000u, 0xfffeu, 0xffffu};
+  uint64_t bad = 0;
+  auto check = [&](uint32_t u) {
+    const float f = float_of(u);
+    const uint16_t got = flashgdn::float_to_bf16(f), want = bf16_reference(f);
+    if (got != want && ++bad <= 5)
+      std::printf("float_to_bf16(0x%08x) = 0x%04x, reference 0x%04x\n", u, got, want);
+  };
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi)
+    for (uint32_t lo : lows) check(hi << 16 | lo);
+  for (uint64_t i = 0; i < (uint64_t{1} << 32); i += 331) check(static_cast<uint32_t>(i));
+  EXPECT_EQ(0u, bad);
+  // the round trip is exact
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float f = flashgdn::bf16_to_float(static_cast<uint16_t>(h));
+    if (!std::isnan(f)) {
+      EXPECT_EQ(h, flashgdn::float_to_bf16(f));
+    }
+  }
+}
+
+// ---- fp16 outputs through the public API ----------------------------------------------------
+
+// Every element of `got` (stored in dt) is the oracle's `want` up to the storage rounding and
+// float32 arithmetic: |got - want| <= u |want| + 2^-25 (half the smallest fp16 subnormal, the
+// absolute rounding below 2^-14; 0 for float32) + 1e-4 max |want|. Garbage in a single element
+// fails this where a relative L2 bound over the tensor might not.
+void expect_elementwise(const std::string& name, const std::vector<double>& got,
+                        const std::vector<double>& want, fgdn_dtype dt) {
+  ASSERT_EQ(got.size(), want.size()) << name;
+  double wmax = 0.0;
+  for (double w : want) wmax = std::max(wmax, std::fabs(w));
+  const double u = dt == FGDN_FLOAT32 ? 0.0 : ft::unit_roundoff(dt);
+  const double sub = dt == FGDN_FLOAT16 ? std::ldexp(1.0, -25) : 0.0;
+  int64_t bad = 0;
+  double worst = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(got[i] - want[i]);
+    const double bound = u * std::fabs(want[i]) + sub + 1e-4 * wmax;
+    if (!(err <= bound)) {
+      if (++bad <= 5)
+        ADD_FAILURE() << name << "[" << i << "] = " << got[i] << ", oracle " << want[i]
+                      << " (bound " << bound << ")";
+      worst = std::isnan(err) ? err : std::max(worst, err);
+    }
+  }
+  EXPECT_EQ(0, bad) << name << ": elements off, worst absolute error " << worst;
+}
+
+// fp16 values between 2^-38 and 2^-32 came out as garbage (the conversion shifted a 32-bit value
+// by 32 or more places): a forward with scale = 1e-9 gave -54688 and NaN where the answer is 0.
+TEST(Fp16Outputs, TinyScaleForwardMatchesOracleElementwise) {
+  ft::Spec s = ft::with_h0(ft::varlen("fp16_scale_1e-9", {0, 100, 230}, 1, 2, 64, 64,
+                                      FGDN_FLOAT16));
+  s.scale = 1e-9;
+  ft::Case c(s);
+  flashgdn::FwdArgs fa = c.fwd_args();
+  ASSERT_NO_THROW(flashgdn::forward(fa));
+  const ref::Outputs ro = ref::forward(c.rp, c.ri);
+  expect_elementwise("o", c.o.to_double(), ro.o, FGDN_FLOAT16);
+  expect_elementwise("ht", ft::state_dense(c.ht, s.N(), s.Hv, s.K, s.V, false), ro.ht,
+                     FGDN_FLOAT32);
+}
+
+// Ordinary fp16 training inputs with the output gradient of a mean-reduced loss (d_o ~ 1e-6,
+// at least the smallest fp16 subnormal): about 8% of the elements of dq, dk, dv (17k of 205k)
+// fall between 2^-38 and 2^-32.
+TEST(Fp16Outputs, BackwardMatchesOracleElementwise) {
+  ft::Spec s = ft::with_states(ft::varlen("fp16_small_grads", {0, 130, 300, 400}, 2, 4, 64, 64,
+                                          FGDN_FLOAT16));
+  s.l2norm = true;
+  ft::Case c(s);
+  const double tiny = std::ldexp(1.0, -24);
+  for (double& x : c.d_o) x = ft::round_to(std::copysign(std::max(std::fabs(x) * 1e-6, tiny), x),
+                                           FGDN_FLOAT16);
+  c.d_o_buf = c.padded(c.d_o, s.dt, s.Hv * s.V);
+  for (double& x : c.d_ht) x = ft::round_to(x * 1e-6, FGDN_FLOAT32);
+  c.d_ht_buf = ft::state_buffer(c.d_ht, s.N(), s.Hv, s.K, s.V, false);
+  flashgdn::BwdArgs ba = c.bwd_args();
+  ASSERT_NO_THROW(flashgdn::backward(ba));
+  const ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
+  expect_elementwise("dq", c.dq.to_double(), rg.dq, FGDN_FLOAT16);
+  expect_elementwise("dk", c.dk.to_double(), rg.dk, FGDN_FLOAT16);
+  expect_elementwise("dv", c.dv.to_double(), rg.dv, FGDN_FLOAT16);
+  expect_elementwise("dg", c.dg.to_double(), rg.dg, FGDN_FLOAT32);
+  expect_elementwise("dbeta", c.dbeta.to_double(), rg.dbeta, FGDN_FLOAT32);
+  expect_elementwise("dh0", ft::state_dense(c.dh0, s.N(), s.Hv, s.K, s.V, false), rg.dh0,
+                     FGDN_FLOAT32);
+}
+
+}  // namespace
