@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/numerics.h"
 #include "cuda/cuda_backend.h"
 #include "flashgdn/flashgdn.h"
 
@@ -113,10 +114,6 @@ __device__ __forceinline__ void store_hi_lo2(T* hi, T* lo, int off, float a, flo
   *reinterpret_cast<uint32_t*>(hi + off) = pack2<T>(to_float(ah), to_float(bh));
   *reinterpret_cast<uint32_t*>(lo + off) = pack2<T>(to_float(al), to_float(bl));
 }
-
-// ---- math ----------------------------------------------------------------------------------
-// softplus(x) = log1p(exp(x)) for x <= 20, else x (matches the CPU backend and the oracle).
-__device__ __forceinline__ float softplus_f(float x) { return x <= 20.f ? log1pf(expf(x)) : x; }
 
 // ---- warp reductions -------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {

@@ -43,11 +43,9 @@ __global__ void __launch_bounds__(128) gate_cumsum_kernel(const GateParams p) {
     if (i < c.len) {
       const int64_t t = c.t0 + i;
       float g = load_as_float(p.g, p.g_dtype, c.b * p.gs0 + t * p.gs1 + h * p.gs2);
-      if (p.gate_in_kernel) {
-        const float x = g + (p.dt_bias ? p.dt_bias[h] : 0.f);
-        g = -expf(p.A_log[h]) * softplus_f(x);
-      }
-      gv[u] = g;
+      if (p.gate_in_kernel)
+        g = gate_from_activation(g + (p.dt_bias ? p.dt_bias[h] : 0.f), p.A_log[h]);
+      gv[u] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
       bv[u] = load_as_float(p.beta, p.beta_dtype, c.b * p.bs0 + t * p.bs1 + h * p.bs2);
     }
   }

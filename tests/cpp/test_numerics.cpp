@@ -344,4 +344,195 @@ TEST(Fp16Outputs, BackwardMatchesOracleElementwise) {
                      FGDN_FLOAT32);
 }
 
+// ---- inputs set element by element ---------------------------------------------------------
+
+// The inputs of a Case that the tests below overwrite.
+enum class In { q, k, v, g, beta, h0, A_log };
+
+// Sets element i (dense index) of input `which` of c to x: in the oracle's inputs (rounded to the
+// dtype the library reads) and in the buffer the library reads. The case's tensors must be dense
+// (no padded strides, no state pool, K-major states).
+void set_input(ft::Case& c, In which, int64_t i, double x) {
+  const ft::Spec& s = c.s;
+  ASSERT_FALSE(s.strided || s.state_indices || s.v_first) << "set_input needs dense tensors";
+  std::vector<double>* r = nullptr;
+  ft::HostBuffer* b = nullptr;
+  fgdn_dtype dt = s.dt;
+  switch (which) {
+    case In::q: r = &c.ri.q, b = &c.q; break;
+    case In::k: r = &c.ri.k, b = &c.k; break;
+    case In::v: r = &c.ri.v, b = &c.v; break;
+    case In::g: r = &c.ri.g, b = &c.g, dt = s.g_dt; break;
+    case In::beta: r = &c.ri.beta, b = &c.beta, dt = s.beta_dt; break;
+    case In::h0: r = &c.ri.h0, b = &c.h0, dt = FGDN_FLOAT32; break;
+    case In::A_log: r = &c.ri.A_log, b = &c.A_log, dt = FGDN_FLOAT32; break;
+  }
+  (*r)[static_cast<size_t>(i)] = ft::round_to(x, dt);
+  flashgdn::store_float(b->data(), dt, i, static_cast<float>(x));
+}
+
+// Flat token index (b * T + t) of token t of sequence n.
+int64_t flat_token(const ft::Spec& s, int64_t n, int64_t t) {
+  return s.cu.empty() ? n * s.T + t : s.cu[static_cast<size_t>(n)] + t;
+}
+// Dense index of element d of (token, head) in q / k, in v / o, and of (token, head) in g / beta.
+int64_t gate_index(const ft::Spec& s, int64_t tok, int64_t h) { return tok * s.Hv + h; }
+
+// ---- g = -inf: a hard reset -----------------------------------------------------------------
+
+ft::ErrorSummary& cpu_errors = ft::add_error_summary("Numerics (CPU)");
+[[maybe_unused]] ft::ErrorSummary& cuda_errors = ft::add_error_summary("Numerics (CUDA)");
+
+// The oracle itself: g = -inf at token r is exp(g) = 0, so the outputs from r on are those of
+// the tokens [r, T) run alone from a zero state, the outputs before r those of [0, r) alone, and
+// the gradients split the same way (the prefix's final state has no influence: its gradient is
+// 0), with dg = 0 at r. Everything finite.
+TEST(ReferenceReset, NegInfGateRestartsTheRecurrence) {
+  const int64_t T = 40, r = 17, Hv = 2, K = 8, V = 8;
+  ft::Rng rng(11);
+  ref::Problem full;
+  full.T = T, full.Hq = 1, full.Hv = Hv, full.K = K, full.V = V;
+  full.use_qk_l2norm = true;
+  full.has_initial_state = true;
+  ref::Inputs in;
+  in.q = rng.normals(T * K), in.k = rng.normals(T * K), in.v = rng.normals(T * Hv * V);
+  in.g = rng.uniforms(T * Hv, -1.0, 0.0), in.beta = rng.uniforms(T * Hv, 0.0, 1.0);
+  in.h0 = rng.normals(Hv * K * V);
+  for (int64_t h = 0; h < Hv; ++h) in.g[static_cast<size_t>(r * Hv + h)] = -kInf;
+  const std::vector<double> d_o = rng.normals(T * Hv * V), d_ht = rng.normals(Hv * K * V);
+
+  // the token range [t0, t1) as a problem of its own (with h0 only from token 0)
+  auto part = [&](int64_t t0, int64_t t1, ref::Problem& p, ref::Inputs& x) {
+    p = full;
+    p.T = t1 - t0;
+    p.has_initial_state = t0 == 0;
+    auto rows = [&](const std::vector<double>& a, int64_t w) {
+      return std::vector<double>(a.begin() + t0 * w, a.begin() + t1 * w);
+    };
+    x.q = rows(in.q, K), x.k = rows(in.k, K), x.v = rows(in.v, Hv * V);
+    x.g = rows(in.g, Hv), x.beta = rows(in.beta, Hv);
+    if (t0 == 0) x.h0 = in.h0;
+  };
+  ref::Problem pp, ps;
+  ref::Inputs ip, is;
+  part(0, r, pp, ip);
+  part(r, T, ps, is);
+  auto cat = [](std::vector<double> a, const std::vector<double>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  auto expect_same = [](const char* what, const std::vector<double>& got,
+                        const std::vector<double>& want) {
+    EXPECT_TRUE(ft::all_finite(got)) << what;
+    EXPECT_LE(ft::rel_l2(got, want), 1e-13) << what;
+  };
+
+  const ref::Outputs of = ref::forward(full, in), op = ref::forward(pp, ip),
+                     os = ref::forward(ps, is);
+  expect_same("o", of.o, cat(op.o, os.o));
+  expect_same("final state", of.ht, os.ht);
+
+  const ref::Grads gf = ref::backward(full, in, d_o, d_ht);
+  const auto split = d_o.begin() + r * Hv * V;
+  const ref::Grads gp = ref::backward(pp, ip, std::vector<double>(d_o.begin(), split), {});
+  const ref::Grads gs = ref::backward(ps, is, std::vector<double>(split, d_o.end()), d_ht);
+  expect_same("dq", gf.dq, cat(gp.dq, gs.dq));
+  expect_same("dk", gf.dk, cat(gp.dk, gs.dk));
+  expect_same("dv", gf.dv, cat(gp.dv, gs.dv));
+  expect_same("dg", gf.dg, cat(gp.dg, gs.dg));
+  expect_same("dbeta", gf.dbeta, cat(gp.dbeta, gs.dbeta));
+  expect_same("dh0", gf.dh0, gp.dh0);
+  for (int64_t h = 0; h < Hv; ++h) EXPECT_EQ(0.0, gf.dg[static_cast<size_t>(r * Hv + h)]);
+}
+
+// Tokens [t0, t1) of sequence n, value head h.
+struct TokenRun {
+  int64_t n, h, t0, t1;
+};
+
+// Three sequences (200, 60, 200 tokens), one q/k head read by two value heads; g = -inf at the
+// first token (seq 0 head 0), mid-chunk and at the last token of a chunk (seq 0 head 1: 30, 63),
+// twice in one chunk (seq 0 head 0: 100, 120), on every token of a partial chunk (seq 1 head 1:
+// all 60), on every token of a full chunk (seq 2 head 0: 64..127) and at the last token of a
+// sequence (seq 2 head 1: 199).
+const TokenRun kResets[] = {{0, 0, 0, 1},     {0, 1, 30, 31},  {0, 1, 63, 64},
+                            {0, 0, 100, 101}, {0, 0, 120, 121}, {1, 1, 0, 60},
+                            {2, 0, 64, 128},  {2, 1, 199, 200}};
+
+ft::Spec reset_spec(const std::string& name, int64_t D, fgdn_dtype dt, bool states) {
+  ft::Spec s = ft::varlen(name, {0, 200, 260, 460}, 1, 2, D, D, dt);
+  s.h0 = s.dht = states;
+  s.checkpoint_every = 64;
+  return s;
+}
+
+// Sets a (the gate's raw activation) so that a + dt_bias = x at the tokens of run.
+void set_activation(ft::Case& c, const TokenRun& run, double x) {
+  const double bias = c.ri.dt_bias.empty() ? 0.0 : c.ri.dt_bias[static_cast<size_t>(run.h)];
+  for (int64_t t = run.t0; t < run.t1; ++t)
+    set_input(c, In::g, gate_index(c.s, flat_token(c.s, run.n, t), run.h), x - bias);
+}
+
+// A case with the resets of kResets (dense g), or (gate_in_kernel) with float32 overflow and
+// underflow of the in-kernel gate: head 0 has A_log = 100 (exp(A_log) = inf in float32, so
+// g = -inf, a reset, on every token) except where a + dt_bias = -200 (g = -exp(-100), no
+// decay); head 1 has an ordinary A_log with a + dt_bias = +200 (g = -200 exp(A_log): below the
+// floor or nearly) and -200 (softplus = 0 in float32: g = 0) at a few tokens.
+ft::Case reset_case(const ft::Spec& s) {
+  ft::Case c(s);
+  if (!s.gate_in_kernel) {
+    for (const TokenRun& r : kResets)
+      for (int64_t t = r.t0; t < r.t1; ++t)
+        set_input(c, In::g, gate_index(s, flat_token(s, r.n, t), r.h), -kInf);
+    return c;
+  }
+  set_input(c, In::A_log, 0, 100.0);
+  for (const TokenRun& r : {TokenRun{0, 0, 10, 41}, TokenRun{2, 0, 150, 200}})
+    set_activation(c, r, -200.0);
+  for (const TokenRun& r : {TokenRun{0, 1, 5, 6}, TokenRun{0, 1, 70, 72}, TokenRun{1, 1, 59, 60}})
+    set_activation(c, r, 200.0);
+  for (const TokenRun& r : {TokenRun{0, 1, 6, 7}, TokenRun{2, 1, 80, 82}})
+    set_activation(c, r, -200.0);
+  return c;
+}
+
+std::vector<ft::Spec> reset_specs(int64_t D, fgdn_dtype dt) {
+  const std::string d = std::string(flashgdn::dtype_name(dt)) + "_D" + std::to_string(D);
+  std::vector<ft::Spec> v = {reset_spec("neg_inf_g_" + d, D, dt, true),
+                             reset_spec("neg_inf_g_no_state_" + d, D, dt, false)};
+  ft::Spec s = reset_spec("neg_inf_bf16_g_" + d, D, dt, true);
+  s.g_dt = FGDN_BFLOAT16;
+  v.push_back(s);
+  s = reset_spec("gate_in_kernel_extremes_" + d, D, dt, true);
+  s.gate_in_kernel = true;
+  s.l2norm = true;
+  v.push_back(s);
+  s.name = "gate_in_kernel_extremes_no_dt_bias_" + d;
+  s.dt_bias = false;
+  s.h0 = s.dht = false;
+  v.push_back(s);
+  return v;
+}
+
+TEST(GateReset, CpuMatchesOracle) {
+  for (const fgdn_dtype dt : {FGDN_FLOAT32, FGDN_BFLOAT16})
+    for (const ft::Spec& s : reset_specs(32, dt)) {
+      SCOPED_TRACE(s.name);
+      ft::Case c = reset_case(s);
+      ft::expect_cpu_matches_oracle(c, cpu_errors);
+    }
+}
+
+TEST(GateReset, CudaMatchesOracle) {
+  if (!ft::have_cuda_device()) GTEST_SKIP() << "no CUDA device";
+#if defined(FLASHGDN_WITH_CUDA)
+  for (const ft::Spec& s : reset_specs(64, FGDN_BFLOAT16)) {
+    SCOPED_TRACE(s.name);
+    ft::Case c = reset_case(s);
+    ft::expect_cuda_forward_matches_oracle(c, cuda_errors);
+    ft::expect_cuda_backward_matches_oracle(c, cuda_errors);
+  }
+#endif
+}
+
 }  // namespace
