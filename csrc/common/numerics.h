@@ -1,5 +1,5 @@
 // Scalar numerics every backend shares, for host and device code (nvcc compiles them for both):
-// the gate floor, the in-kernel gate and its derivatives.
+// the gate floor, the in-kernel gate and its derivatives, the in-kernel l2norm factor.
 //
 // Gate floor. The documented domain is g <= 0, and g = -inf is a hard reset (exp(g) = 0: the
 // state is forgotten). The chunked algorithm forms in-chunk cumulative sums c_i = g_1 + .. + g_i
@@ -23,6 +23,12 @@
 // factor is not a normal float the gate is formed in log space instead,
 //     g = -exp(A_log + log softplus(x)),
 // which is -inf (then floored: a reset) or a tiny value (no decay) as the exact gate is.
+//
+// l2norm: r = 1 / sqrt(sum x^2 + 1e-6). The float32 sum of squares overflows for a finite row of
+// norm above ~1.8e19 (r would be 0 and x r = 0). Such a row is summed again scaled by an exact
+// power of two, s = 2^-ilogb(max |x|):  r = s / sqrt(sum (s x)^2)  (there eps / max|x|^2 <
+// 1e-36 is below the rounding of a sum that is >= 1). r is then right for every finite row
+// (a subnormal float, so with fewer significant bits, beyond norms of ~1e37).
 #pragma once
 
 #include <float.h>
@@ -98,6 +104,20 @@ struct GateGrad {
 FGDN_HD GateGrad gate_activation_backward(float dg, float x, float A_log, float g) {
   if (dg == 0.f) return GateGrad{0.f, 0.f};
   return GateGrad{dg * neg_exp_times(A_log, softplus_grad(x), log_softplus_grad(x)), dg * g};
+}
+
+// ---- in-kernel l2norm ---------------------------------------------------------------------------
+constexpr float kL2NormEps = 1e-6f;
+
+// r = 1 / sqrt(sum x^2 + 1e-6) of a row, given ss = its float32 sum of squares, and (called only
+// when ss overflowed) max_abs() = max |x_i| and sum_sq_scaled(s) = sum (s x_i)^2 in float32.
+template <class MaxAbs, class SumSqScaled>
+FGDN_HD float l2norm_rnorm(float ss, MaxAbs max_abs, SumSqScaled sum_sq_scaled) {
+  if (!(ss > FLT_MAX)) return 1.f / sqrtf(ss + kL2NormEps);  // finite (or NaN: stays NaN)
+  const float m = max_abs();
+  if (!(m <= FLT_MAX)) return 0.f;  // an infinite element (or NaN): 1 / sqrt(inf), as unscaled
+  const float s = ldexpf(1.f, -ilogbf(m));  // m s in [1, 2); exact for every element
+  return s / sqrtf(sum_sq_scaled(s));
 }
 
 }  // namespace flashgdn

@@ -1,5 +1,5 @@
-// Per-token pre/post processing done inside the kernel, in float32 (the gate's scalar formulas,
-// shared with the CUDA backend, are in common/numerics.h):
+// Per-token pre/post processing done inside the kernel, in float32 (the scalar formulas, shared
+// with the CUDA backend, are in common/numerics.h):
 //   l2norm:  x^ = x * r,  r = 1 / sqrt(sum x^2 + 1e-6)          (q and k, per token and q/k head)
 //            dx = r * (dx^ - x^ (x^ . dx^))                      (its reverse mode)
 //   gate:    g = -exp(A_log) * softplus(a + dt_bias), then the floor g_eff = max(g, -128)
@@ -25,11 +25,20 @@ inline float dot8(const float* a, const float* b, int64_t n) {
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
-constexpr float kL2NormEps = 1e-6f;
-
-// r = 1 / sqrt(sum x^2 + eps)
+// r = 1 / sqrt(sum x^2 + eps), right for any finite row (rescaled where the sum overflows)
 inline float l2norm_rnorm(const float* x, int64_t n) {
-  return 1.f / std::sqrt(dot8(x, x, n) + kL2NormEps);
+  return flashgdn::l2norm_rnorm(
+      dot8(x, x, n),
+      [&] {
+        float m = 0.f;
+        for (int64_t i = 0; i < n; ++i) m = std::fmax(m, std::fabs(x[i]));
+        return m;
+      },
+      [&](float s) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < n; ++i) ss += (s * x[i]) * (s * x[i]);
+        return ss;
+      });
 }
 
 // In place: dx <- r * (dx^ - x^ (x^ . dx^)) where xhat = x * r.

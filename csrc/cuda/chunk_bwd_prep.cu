@@ -32,20 +32,15 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
     const TQ* qi = q + tok_off(P.q, ci.b, ci.t0 + i, hq);
     const TQ* ki = k + tok_off(P.k, ci.b, ci.t0 + i, hq);
     float xq[D / 32], xk[D / 32];
-    float sq = 0.f, sk = 0.f;
 #pragma unroll
     for (int u = 0; u < D / 32; ++u) {
       xq[u] = to_float(qi[lane + 32 * u]);
       xk[u] = to_float(ki[lane + 32 * u]);
-      sq += xq[u] * xq[u];
-      sk += xk[u] * xk[u];
     }
     float r_q = 1.f, r_k = 1.f;
     if (P.l2norm) {
-      sq = warp_sum(sq);
-      sk = warp_sum(sk);
-      r_q = 1.f / sqrtf(sq + 1e-6f);
-      r_k = 1.f / sqrtf(sk + 1e-6f);
+      r_q = warp_l2norm_rnorm(xq);
+      r_k = warp_l2norm_rnorm(xk);
       if (lane == 0) P.rq[row] = r_q, P.rk[row] = r_k;
     }
 #pragma unroll

@@ -349,6 +349,19 @@ TEST(Fp16Outputs, BackwardMatchesOracleElementwise) {
 // The inputs of a Case that the tests below overwrite.
 enum class In { q, k, v, g, beta, h0, A_log };
 
+const char* in_name(In x) {
+  switch (x) {
+    case In::q: return "q";
+    case In::k: return "k";
+    case In::v: return "v";
+    case In::g: return "g";
+    case In::beta: return "beta";
+    case In::h0: return "initial_state";
+    case In::A_log: return "A_log";
+  }
+  return "?";
+}
+
 // Sets element i (dense index) of input `which` of c to x: in the oracle's inputs (rounded to the
 // dtype the library reads) and in the buffer the library reads. The case's tensors must be dense
 // (no padded strides, no state pool, K-major states).
@@ -376,6 +389,9 @@ int64_t flat_token(const ft::Spec& s, int64_t n, int64_t t) {
   return s.cu.empty() ? n * s.T + t : s.cu[static_cast<size_t>(n)] + t;
 }
 // Dense index of element d of (token, head) in q / k, in v / o, and of (token, head) in g / beta.
+int64_t qk_index(const ft::Spec& s, int64_t tok, int64_t hq, int64_t d) {
+  return (tok * s.Hq + hq) * s.K + d;
+}
 int64_t gate_index(const ft::Spec& s, int64_t tok, int64_t h) { return tok * s.Hv + h; }
 
 // ---- g = -inf: a hard reset -----------------------------------------------------------------
@@ -532,6 +548,94 @@ TEST(GateReset, CudaMatchesOracle) {
     ft::expect_cuda_forward_matches_oracle(c, cuda_errors);
     ft::expect_cuda_backward_matches_oracle(c, cuda_errors);
   }
+#endif
+}
+
+// ---- q / k rows whose sum of squares overflows float32 (use_qk_l2norm_in_kernel) --------------
+
+// Row (flat token tok, q/k head hq) of q or k, scaled to the given norm.
+struct HugeRow {
+  In which;
+  int64_t tok, hq;
+  double norm;
+};
+
+// Two sequences of 150 tokens, Hq = 2, Hv = 4. With several huge rows in one chunk (CPU): keys
+// of norm 1e19 (sum of squares 1e38, still finite), 3e19 (9e38: overflows) and 1e30, two
+// huge keys in one chunk, a huge query and a huge key on the same token, queries of all three
+// norms, a huge key on the last token.
+const HugeRow kHugeRowsDense[] = {
+    {In::k, 3, 0, 1e19},  {In::k, 5, 1, 3e19},    {In::k, 70, 0, 1e30},  {In::k, 71, 0, 1e30},
+    {In::q, 71, 0, 1e30}, {In::q, 160, 1, 3e19}, {In::q, 200, 0, 1e19}, {In::k, 299, 1, 1e30}};
+// One huge row per chunk and no huge query after a huge key of its chunk (CUDA: its forward
+// forms the raw Gram products k_i . k_j and q_i . k_j in float32 before scaling them, which
+// overflows for two rows of norm 1e30 in one chunk; the l2norm factors are what is tested).
+const HugeRow kHugeRowsSparse[] = {{In::k, 10, 0, 1e30},
+                                   {In::q, 70, 0, 1e30},
+                                   {In::k, 140, 1, 3e19},
+                                   {In::q, 200, 1, 3e19},
+                                   {In::k, 260, 0, 1e19}};
+
+template <size_t R>
+ft::Case huge_row_case(const ft::Spec& s, const HugeRow (&rows)[R]) {
+  ft::Case c(s);
+  for (const HugeRow& r : rows) {
+    const std::vector<double>& x = r.which == In::q ? c.ri.q : c.ri.k;
+    const int64_t i0 = qk_index(s, r.tok, r.hq, 0);
+    const std::vector<double> row = ft::slice(x, i0 / s.K, s.K);
+    double nrm = 0.0;
+    for (double e : row) nrm += e * e;
+    const double f = r.norm / std::sqrt(nrm);
+    for (int64_t d = 0; d < s.K; ++d)
+      set_input(c, r.which, i0 + d, row[static_cast<size_t>(d)] * f);
+  }
+  return c;
+}
+
+// The gradient rows of the huge q / k rows are ~1 / norm: invisible in a relative error over the
+// whole tensor, so each is checked on its own (relative L2 over the row).
+template <size_t R>
+void expect_huge_row_grads(const ft::Case& c, const HugeRow (&rows)[R], const ref::Grads& rg,
+                           double tol) {
+  const std::vector<double> dq = c.dq.to_double(), dk = c.dk.to_double();
+  for (const HugeRow& r : rows) {
+    const int64_t i0 = qk_index(c.s, r.tok, r.hq, 0);
+    const bool is_q = r.which == In::q;
+    const std::vector<double> got = ft::slice(is_q ? dq : dk, i0 / c.s.K, c.s.K);
+    const std::vector<double> want = ft::slice(is_q ? rg.dq : rg.dk, i0 / c.s.K, c.s.K);
+    EXPECT_LE(ft::rel_l2(got, want), tol)
+        << c.s.name << ": d" << in_name(r.which) << " of the row of norm " << r.norm
+        << " at token " << r.tok << " head " << r.hq;
+  }
+}
+
+ft::Spec huge_row_spec(const std::string& name, int64_t D, fgdn_dtype dt) {
+  ft::Spec s = ft::with_states(ft::varlen(name, {0, 150, 300}, 2, 4, D, D, dt));
+  s.l2norm = true;
+  return s;
+}
+
+TEST(L2NormHugeRows, CpuMatchesOracle) {
+  for (const fgdn_dtype dt : {FGDN_FLOAT32, FGDN_BFLOAT16}) {
+    const ft::Spec s = huge_row_spec(std::string("huge_rows_") + flashgdn::dtype_name(dt), 32, dt);
+    SCOPED_TRACE(s.name);
+    ft::Case c = huge_row_case(s, kHugeRowsDense);
+    ft::expect_cpu_matches_oracle(c, cpu_errors);
+    const ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
+    const double u = dt == FGDN_FLOAT32 ? 0.0 : ft::unit_roundoff(dt);
+    expect_huge_row_grads(c, kHugeRowsDense, rg, 1e-4 + u);
+  }
+}
+
+TEST(L2NormHugeRows, CudaMatchesOracle) {
+  if (!ft::have_cuda_device()) GTEST_SKIP() << "no CUDA device";
+#if defined(FLASHGDN_WITH_CUDA)
+  const ft::Spec s = huge_row_spec("huge_rows_bf16_D64", 64, FGDN_BFLOAT16);
+  ft::Case c = huge_row_case(s, kHugeRowsSparse);
+  ft::expect_cuda_forward_matches_oracle(c, cuda_errors);
+  ft::expect_cuda_backward_matches_oracle(c, cuda_errors);
+  const ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
+  expect_huge_row_grads(c, kHugeRowsSparse, rg, ft::kCudaBwdTolSlice);
 #endif
 }
 
