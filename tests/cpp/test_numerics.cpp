@@ -392,6 +392,9 @@ int64_t flat_token(const ft::Spec& s, int64_t n, int64_t t) {
 int64_t qk_index(const ft::Spec& s, int64_t tok, int64_t hq, int64_t d) {
   return (tok * s.Hq + hq) * s.K + d;
 }
+int64_t vo_index(const ft::Spec& s, int64_t tok, int64_t h, int64_t d) {
+  return (tok * s.Hv + h) * s.V + d;
+}
 int64_t gate_index(const ft::Spec& s, int64_t tok, int64_t h) { return tok * s.Hv + h; }
 
 // ---- g = -inf: a hard reset -----------------------------------------------------------------
@@ -637,6 +640,212 @@ TEST(L2NormHugeRows, CudaMatchesOracle) {
   const ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
   expect_huge_row_grads(c, kHugeRowsSparse, rg, ft::kCudaBwdTolSlice);
 #endif
+}
+
+// ---- how far a non-finite input reaches (docs/api.md, "Non-finite values") --------------------
+
+// One element of one input set to a non-finite value: token t of sequence n, value head h for v,
+// g, beta and the initial state, q/k head h for q and k; element d of the row (or of the state).
+struct Poison {
+  In which;
+  int64_t n, t, h, d;
+  double value;
+};
+
+// Every output of one forward and one backward, as stored (bitwise comparable).
+enum Out { kO, kHt, kCk, kDq, kDk, kDv, kDg, kDbeta, kDh0, kDALog, kDdtBias, kOuts };
+const char* const kOutNames[kOuts] = {"o",  "final_state", "checkpoints", "dq",     "dk",      "dv",
+                                      "dg", "dbeta",       "dh0",         "dA_log", "ddt_bias"};
+using Outputs = std::vector<ft::HostBuffer>;
+
+void run_all(ft::Case& c, bool cuda, Outputs& out) {
+  flashgdn::FwdArgs fa = c.fwd_args();
+  if (cuda) {
+#if defined(FLASHGDN_WITH_CUDA)
+    ASSERT_NO_FATAL_FAILURE(ft::run_forward_on_device(c, fa));
+    ASSERT_NO_FATAL_FAILURE(ft::run_backward_on_device(c));
+#endif
+  } else {
+    ASSERT_NO_THROW(flashgdn::forward(fa));
+    flashgdn::BwdArgs ba = c.bwd_args();
+    ASSERT_NO_THROW(flashgdn::backward(ba));
+  }
+  out = {c.o, c.ht, c.ck, c.dq, c.dk, c.dv, c.dg, c.dbeta, c.dh0, c.dA_log, c.ddt_bias};
+}
+
+// Where element i of output `which` belongs: its sequence n and token t in it (-1 for states and
+// per-head tensors), its head (q/k head for dq, dk; value head otherwise) and, for checkpoints,
+// the number of tokens the state comes after.
+struct Place {
+  int64_t n = -1, t = -1, head = -1, after = -1;
+};
+Place place_of(const ft::Spec& s, Out which, int64_t i) {
+  Place p;
+  int64_t tok = -1;
+  const int64_t HKV = s.Hv * s.K * s.V;
+  switch (which) {
+    case kO: case kDv: tok = i / (s.Hv * s.V), p.head = (i / s.V) % s.Hv; break;
+    case kDq: case kDk: tok = i / (s.Hq * s.K), p.head = (i / s.K) % s.Hq; break;
+    case kDg: case kDbeta: tok = i / s.Hv, p.head = i % s.Hv; break;
+    case kHt: case kDh0: p.n = i / HKV, p.head = (i / (s.K * s.V)) % s.Hv; break;
+    case kCk: {
+      int64_t row = i / HKV;
+      p.head = (i / (s.K * s.V)) % s.Hv;
+      for (p.n = 0; row >= s.seq_len(p.n) / s.checkpoint_every; ++p.n)
+        row -= s.seq_len(p.n) / s.checkpoint_every;
+      p.after = (row + 1) * s.checkpoint_every;
+      break;
+    }
+    default: p.head = i; break;
+  }
+  if (tok >= 0) {
+    for (p.n = 0; tok >= flat_token(s, p.n, s.seq_len(p.n)); ++p.n) {}
+    p.t = tok - flat_token(s, p.n, 0);
+  }
+  return p;
+}
+
+// The documented reach (docs/api.md, "Non-finite values") of a non-finite input element at
+// token t of sequence n, for value head h (v, g, beta, initial state) or for every value head
+// of the group of q/k head h (q, k):
+//   forward: o at token t only (q); o from the first token of t's 64-token chunk (counted from
+//     the sequence's start) to the end of the sequence, the final state and the checkpoints after
+//     t (k, v, g, beta); o at every token, the final state, every checkpoint (initial state);
+//   backward: every gradient of sequence n for those value heads (dv, dg, dbeta, dh0) and for
+//     their q/k head (dq, dk), at any token, and dA_log, ddt_bias of those value heads.
+// Nothing of another sequence, and nothing of another head.
+bool may_reach(const ft::Spec& s, const Poison& p, Out which, const Place& at) {
+  const int64_t group = s.Hv / s.Hq;
+  const bool qk = p.which == In::q || p.which == In::k;
+  const int64_t hq = qk ? p.h : p.h / group;
+  const bool value_head = qk ? at.head / group == hq : at.head == p.h;
+  if (which == kDALog || which == kDdtBias) return value_head;
+  if (at.n != p.n) return false;
+  if (which == kDq || which == kDk) return at.head == hq;
+  if (!value_head) return false;
+  const int64_t chunk_start = p.t / 64 * 64;
+  switch (which) {
+    case kO:
+      if (p.which == In::q) return at.t == p.t;
+      return p.which == In::h0 || at.t >= chunk_start;
+    case kHt: return p.which != In::q;
+    case kCk: return p.which != In::q && (p.which == In::h0 || at.after > p.t);
+    default: return true;  // backward
+  }
+}
+
+// Sets the poison in c.
+void put_poison(ft::Case& c, const Poison& p) {
+  const ft::Spec& s = c.s;
+  const int64_t tok = flat_token(s, p.n, p.t);
+  switch (p.which) {
+    case In::q: case In::k: set_input(c, p.which, qk_index(s, tok, p.h, p.d), p.value); break;
+    case In::v: set_input(c, p.which, vo_index(s, tok, p.h, p.d), p.value); break;
+    case In::g: case In::beta: set_input(c, p.which, gate_index(s, tok, p.h), p.value); break;
+    case In::h0: set_input(c, p.which, (p.n * s.Hv + p.h) * s.K * s.V + p.d, p.value); break;
+    case In::A_log: break;
+  }
+}
+
+bool same_element(const ft::HostBuffer& a, const ft::HostBuffer& b, int64_t i) {
+  const size_t es = flashgdn::dtype_size(a.dtype);
+  return std::memcmp(a.bytes.data() + i * es, b.bytes.data() + i * es, es) == 0;
+}
+
+// Three sequences (150, 150, 100 tokens), Hq = 2, Hv = 4, initial states, final-state
+// gradients and checkpoints every 64 tokens; with the in-kernel l2norm and gate as asked.
+ft::Spec poison_spec(int64_t D, fgdn_dtype dt, bool l2norm, bool gate_in_kernel) {
+  ft::Spec s = ft::with_states(ft::varlen(std::string("poison") + (l2norm ? "_l2norm" : "") +
+                                              (gate_in_kernel ? "_gate_in_kernel" : ""),
+                                          {0, 150, 300, 400}, 2, 4, D, D, dt));
+  s.checkpoint_every = 64;
+  s.l2norm = l2norm;
+  s.gate_in_kernel = gate_in_kernel;
+  return s;
+}
+
+// NaN, +inf and -inf in one element of q, k (q/k head 1: value heads 2, 3), v, g, beta, the
+// initial state (value head 1), at token 80 of sequence 1 (its second chunk): every output
+// outside the documented reach is finite and bitwise the run without the poison, and the poison
+// does reach o. A gate of -inf (or an in-kernel activation of +-inf) is no poison but a reset
+// (or no decay): every output stays finite.
+void check_poison_reach(const ft::Spec& s, bool cuda, bool exact) {
+  ft::Case clean_case(s);
+  Outputs clean;
+  ASSERT_NO_FATAL_FAILURE(run_all(clean_case, cuda, clean));
+  for (int o = 0; o < kOuts; ++o)
+    ASSERT_TRUE(ft::all_finite(clean[o].to_double())) << s.name << ": " << kOutNames[o];
+  const bool verbose = std::getenv("FLASHGDN_TEST_VERBOSE") != nullptr;
+  for (const In which : {In::q, In::k, In::v, In::g, In::beta, In::h0}) {
+    for (const double value : {kNaN, kInf, -kInf}) {
+      const bool reset = which == In::g && (s.gate_in_kernel ? std::isinf(value) : value < 0.0);
+      const Poison p{which, 1, 80, 1, 3, value};
+      const std::string what = std::string(in_name(which)) + " = " + std::to_string(value);
+      SCOPED_TRACE(s.name + ": " + what);
+      ft::Case c(s);
+      put_poison(c, p);
+      Outputs got;
+      ASSERT_NO_FATAL_FAILURE(run_all(c, cuda, got));
+      if (reset) {
+        for (int o = 0; o < kOuts; ++o)
+          EXPECT_TRUE(ft::all_finite(got[o].to_double())) << kOutNames[o] << " not finite";
+        continue;
+      }
+      for (int o = 0; o < kOuts; ++o) {
+        const Out out = static_cast<Out>(o);
+        // reached: the tokens (or rows) that differ from the clean run, per head
+        std::map<int64_t, std::pair<int64_t, int64_t>> reached;
+        int64_t outside = 0;
+        for (int64_t i = 0; i < got[o].n; ++i) {
+          if (same_element(got[o], clean[o], i)) continue;
+          const Place at = place_of(s, out, i);
+          auto& r = reached.emplace(at.head, std::make_pair(INT64_MAX, INT64_MIN)).first->second;
+          const int64_t key = at.t >= 0 ? at.t : at.after;
+          r.first = std::min(r.first, key), r.second = std::max(r.second, key);
+          if (!may_reach(s, p, out, at) && ++outside <= 3)
+            ADD_FAILURE() << kOutNames[o] << " element " << i << " (sequence " << at.n
+                          << ", token " << at.t << ", head " << at.head
+                          << ") is outside the documented reach: " << got[o].to_double()[i]
+                          << " instead of " << clean[o].to_double()[i];
+        }
+        EXPECT_EQ(0, outside) << kOutNames[o] << ": elements outside the documented reach changed";
+        if (verbose)
+          for (const auto& [head, r] : reached)
+            std::printf("  %-32s %-14s %-11s head %lld: from %lld to %lld\n", s.name.c_str(),
+                        what.c_str(), kOutNames[o], static_cast<long long>(head),
+                        static_cast<long long>(r.first), static_cast<long long>(r.second));
+      }
+      // The poison is there: o is not finite at token t (q) or at the first and the last token
+      // of the documented reach (k, v, g, beta: from t's chunk on; initial state: every token)
+      // of a value head it reaches; with `exact` (the CPU backend) at both ends.
+      const int64_t h = (which == In::q || which == In::k) ? p.h * (s.Hv / s.Hq) : p.h;
+      const int64_t first = which == In::q ? p.t : which == In::h0 ? 0 : p.t / 64 * 64;
+      const int64_t last = which == In::q ? p.t : s.seq_len(p.n) - 1;
+      const std::vector<double> o = got[kO].to_double();
+      const std::vector<int64_t> ends = exact ? std::vector<int64_t>{first, last}
+                                              : std::vector<int64_t>{p.t};
+      for (const int64_t t : ends) {
+        const int64_t i0 = vo_index(s, flat_token(s, p.n, t), h, 0);
+        bool hit = false;
+        for (int64_t d = 0; d < s.V; ++d)
+          hit = hit || !std::isfinite(o[static_cast<size_t>(i0 + d)]);
+        EXPECT_TRUE(hit) << "o at token " << t << " of head " << h << " is finite";
+      }
+    }
+  }
+}
+
+TEST(NonFiniteReach, CpuStaysInItsSequenceAndHead) {
+  for (const bool l2norm : {false, true})
+    check_poison_reach(poison_spec(16, FGDN_FLOAT32, l2norm, false), false, true);
+  check_poison_reach(poison_spec(16, FGDN_BFLOAT16, true, true), false, true);
+}
+
+TEST(NonFiniteReach, CudaStaysInItsSequenceAndHead) {
+  if (!ft::have_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  for (const bool l2norm : {false, true})
+    check_poison_reach(poison_spec(64, FGDN_BFLOAT16, l2norm, false), true, false);
+  check_poison_reach(poison_spec(64, FGDN_BFLOAT16, true, true), true, false);
 }
 
 }  // namespace
