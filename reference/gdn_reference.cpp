@@ -410,8 +410,9 @@ void backward_pair(const Problem& p, const Inputs& in, const std::vector<double>
       if (p.gate_in_kernel) {
         // g = -exp(A_log) softplus(x), x = a + dt_bias:
         //   dA_log += dg * g;   da = ddt_bias contribution = dg * (-exp(A_log)) softplus'(x)
-        const double da = dg * neg_exp_A * softplus_grad(tok.gate_x);
-        partial.dA_log += dg * tok.g;
+        // At a reset (alpha = 0, so dg = 0) both are 0, also where g or exp(A_log) is infinite.
+        const double da = dg == 0.0 ? 0.0 : dg * neg_exp_A * softplus_grad(tok.gate_x);
+        if (dg != 0.0) partial.dA_log += dg * tok.g;
         partial.ddt_bias += da;
         gr.dg[L.gb(tok.b, tt, h)] = da;
       } else {

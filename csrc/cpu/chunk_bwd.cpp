@@ -18,6 +18,7 @@
 //   dc_i   = sum_j L_ij - sum_j L_ji + dX_i . X_i + dQe_i . Qe_i - dKf_i . Kf_i
 //            + [i = m] (sum_l dKf_l . Kf_l + dG G),        L = dAb (.) Ab + dM (.) M
 //   dg_i   = sum_{l >= i} dc_l                  (c is the in-chunk cumulative sum of g)
+//            and 0 where the gate floor applied (g < -128: its derivative is 0)
 // and through the in-kernel pre-processing (gate.h): l2norm of q and k (after summing dq^, dk^
 // over the value heads sharing a q/k head), the gate g(a, A_log, dt_bias).
 // Determinism: each pair writes only its own dv, dg, dbeta, dh0 entries and its own slots of the
@@ -243,17 +244,19 @@ void backward(const Problem& p, const fgdn_bwd_args& a) {
         store_row(a.dv.data, p.qkv_dtype, tok_off(a.dv, pr.b, t, pr.h), V, dyi);
       }
       dc[m - 1] += lf_sum + static_cast<float>(dG) * buf.gamma;
-      // dg_i = sum_{l >= i} dc_l, then through the gate when it is computed in the kernel
+      // dg_i = sum_{l >= i} dc_l (0 through the floor), then through the gate when it is
+      // computed in the kernel
       float run = 0.f;
       for (int64_t i = m - 1; i >= 0; --i) {
         run += dc[i];
         const int64_t t = pr.t0 + tc + i;
-        float out = run;
+        float out = gate_floored(buf.g[sz(i)]) ? 0.f : run;
         if (gik) {
-          const GateGrad gg = gate_backward(run, buf.a[sz(i)], A_log, dt_bias);
-          out = gg.da;
+          const GateGrad gg =
+              gate_activation_backward(out, buf.a[sz(i)] + dt_bias, A_log, buf.g[sz(i)]);
+          out = gg.dx;
           dA_acc += gg.dA_log;
-          ddt_acc += gg.da;
+          ddt_acc += gg.dx;
         }
         store_float(a.dg.data, p.g_dtype, gate_off(a.dg, pr.b, t, pr.h), out);
       }

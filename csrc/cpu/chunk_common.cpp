@@ -47,13 +47,14 @@ void load_chunk(const Problem& p, const fgdn_inputs& in, const Pair& pr, int64_t
     const float raw = load_float(in.g.data, p.g_dtype, gate_off(in.g, pr.b, t, pr.h));
     buf.a[sz(r)] = raw;
     // g = -exp(A_log) * softplus(a + dt_bias) with gate_in_kernel, else the given g
-    buf.g[sz(r)] = p.gate_in_kernel ? gate_forward(raw, A_log, dt_bias) : raw;
+    buf.g[sz(r)] = gate_of(raw, p.gate_in_kernel, A_log, dt_bias);
     buf.beta[sz(r)] = load_float(in.beta.data, p.beta_dtype, gate_off(in.beta, pr.b, t, pr.h));
   }
-  // c_i = g_1 + ... + g_i (local to the chunk), e_i = exp(c_i), f_i = exp(c_m - c_i)
+  // c_i = g_1 + ... + g_i (local to the chunk) of the floored gates max(g, -128), so that a
+  // reset (g = -inf) keeps c finite (common/numerics.h); e_i = exp(c_i), f_i = exp(c_m - c_i)
   double acc = 0.0;
   for (int64_t r = 0; r < m; ++r) {
-    acc += buf.g[sz(r)];
+    acc += gate_floor(buf.g[sz(r)]);
     buf.c[sz(r)] = acc;
   }
   const double cm = m > 0 ? buf.c[sz(m - 1)] : 0.0;

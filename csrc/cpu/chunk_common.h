@@ -1,7 +1,8 @@
 // What the CPU forward and backward share: strided element addressing of the caller's tensors,
 // the per-chunk load (storage dtype -> float, l2norm, gate) and the intra-chunk quantities of
 // gdn-math section 3 for one chunk of one (sequence, value head) pair:
-//   c_i = g_1 + ... + g_i,  e_i = exp(c_i),  f_i = exp(c_m - c_i),  D_ij = exp(c_i - c_j) (j <= i)
+//   c_i = g_1 + ... + g_i (each g floored at -128, common/numerics.h)
+//   e_i = exp(c_i),  f_i = exp(c_m - c_i),  D_ij = exp(c_i - c_j) (j <= i)
 //   Ab  = strict_lower(diag(beta) (K K^T) (.) D),  Tm = (I + Ab)^{-1}
 //   X   = diag(beta) (K (.) e),  Y = diag(beta) V,  W = Tm X,  U = Tm Y
 //   M   = lower((Q K^T) (.) D) (diagonal included),  Qe = Q (.) e,  Kf = K (.) f
@@ -132,7 +133,8 @@ struct ChunkBuf {
   // loaded inputs
   std::vector<float> q, k, v;        // [C x K] (after l2norm), [C x K], [C x V]
   std::vector<float> rq, rk;         // [C]: l2norm factors r (1 without l2norm)
-  std::vector<float> a, g, beta;     // [C]: raw gate activation (gate_in_kernel), g, beta
+  std::vector<float> a, g, beta;     // [C]: raw gate activation (gate_in_kernel), g (before
+                                     // the floor), beta
   // cumulative gates: c in double so that c_i - c_j keeps float32 relative accuracy even when
   // |c| is large (a strongly decaying token early in the chunk); e, f, D in float32
   std::vector<double> c;             // [C]
@@ -149,7 +151,7 @@ struct ChunkBuf {
 
 // Loads rows [tc, tc + m) of pair pr (tc relative to the sequence start) into buf: q and k
 // (l2-normalised when p.l2norm), v, beta, and g (computed from the raw a when gate_in_kernel);
-// then c, e, f, gamma.
+// then c (of the floored gates), e, f, gamma.
 void load_chunk(const Problem& p, const fgdn_inputs& in, const Pair& pr, int64_t tc, int64_t m,
                 ChunkBuf& buf);
 

@@ -1,8 +1,9 @@
 // Backward, step 1: per-chunk preparation (parallel over chunks and heads).
 //
 //  qk_prep:    qn = q / ||q|| (or q), kn likewise, fp32, in slot layout; rq, rk = 1 / ||x||.
-//  chunk_prep: c (in-chunk cumulative gate), A = strict_lower(diag(beta) Kn Kn^T (.) D),
-//              T = (I + A)^-1 (fp32 forward substitution), W = T diag(beta exp(c)) Kn,
+//  chunk_prep: c (in-chunk cumulative sum of the gates floored at -128, common/numerics.h),
+//              A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward
+//              substitution), W = T diag(beta exp(c)) Kn,
 //              U = T diag(beta) V (into vn; the state pass subtracts W h), and the local part
 //              of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (into dvn).
 #include "cuda/chunk_bwd_internal.cuh"
@@ -31,20 +32,15 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
     const TQ* qi = q + tok_off(P.q, ci.b, ci.t0 + i, hq);
     const TQ* ki = k + tok_off(P.k, ci.b, ci.t0 + i, hq);
     float xq[D / 32], xk[D / 32];
-    float sq = 0.f, sk = 0.f;
 #pragma unroll
     for (int u = 0; u < D / 32; ++u) {
       xq[u] = to_float(qi[lane + 32 * u]);
       xk[u] = to_float(ki[lane + 32 * u]);
-      sq += xq[u] * xq[u];
-      sk += xk[u] * xk[u];
     }
     float r_q = 1.f, r_k = 1.f;
     if (P.l2norm) {
-      sq = warp_sum(sq);
-      sk = warp_sum(sk);
-      r_q = 1.f / sqrtf(sq + 1e-6f);
-      r_k = 1.f / sqrtf(sk + 1e-6f);
+      r_q = warp_l2norm_rnorm(xq);
+      r_k = warp_l2norm_rnorm(xk);
       if (lane == 0) P.rq[row] = r_q, P.rk[row] = r_k;
     }
 #pragma unroll
@@ -77,13 +73,11 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
       const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
       const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
       g = load_as_float(P.g.data, P.g_dtype, og);
-      if (P.gate_in_kernel) {
-        const float x = g + (P.has_dt_bias ? P.dt_bias[h] : 0.f);
-        g = -expf(P.A_log[h]) * softplus_f(x);
-      }
+      if (P.gate_in_kernel)
+        g = gate_from_activation(g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
       b = load_as_float(P.beta.data, P.beta_dtype, ob);
     }
-    s_c[tid] = g;
+    s_c[tid] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
     s_beta[tid] = b;
   }
   __syncthreads();

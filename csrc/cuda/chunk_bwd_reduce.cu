@@ -2,9 +2,10 @@
 //
 //  qk_reduce: dq, dk of a q/k head = sum over the Hv / Hq value heads that read it, in
 //             ascending head order, then (l2norm) x^ = x r  ->  dx = r (dx^ - x^ (x^ . dx^)).
-//  gate:      dg_t = sum_{i >= t} dc_i within the chunk (reverse cumulative sum, fixed order);
-//             gate_in_kernel: da = dg (-exp(A_log)) sigmoid(a + dt_bias) (1 past 20), and the
-//             per-chunk sums of dg g (for dA_log) and of da (for ddt_bias).
+//  gate:      dg_t = sum_{i >= t} dc_i within the chunk (reverse cumulative sum, fixed order),
+//             0 where the gate was floored (g < -128); gate_in_kernel: da = dg (-exp(A_log))
+//             sigmoid(a + dt_bias) (1 past 20), and the per-chunk sums of dg g (for dA_log) and
+//             of da (for ddt_bias) (common/numerics.h).
 //  head_sum:  dA_log[h], ddt_bias[h] = sums of the per-chunk partials over the chunk slots in a
 //             fixed order (thread-strided partial sums, then a fixed tree).
 #include "cuda/chunk_bwd_internal.cuh"
@@ -74,14 +75,16 @@ __global__ void __launch_bounds__(kC) gate_kernel(BwdParams P) {
   float pa = 0.f, pb = 0.f;
   if (i < ci.len) {
     const int64_t o = ci.b * P.dg.s0 + (ci.t0 + i) * P.dg.s1 + h * P.dg.s2;
-    float dg = s_dg[i];
+    // the gate as the forward formed it; dg = 0 where it was floored (the floor's derivative)
+    const int64_t og = ci.b * P.g.s0 + (ci.t0 + i) * P.g.s1 + h * P.g.s2;
+    const float raw = load_as_float(P.g.data, P.g_dtype, og);
+    const float x = raw + (P.gate_in_kernel && P.has_dt_bias ? P.dt_bias[h] : 0.f);
+    const float g = P.gate_in_kernel ? gate_from_activation(x, P.A_log[h]) : raw;
+    float dg = gate_floored(g) ? 0.f : s_dg[i];
     if (P.gate_in_kernel) {
-      const int64_t og = ci.b * P.g.s0 + (ci.t0 + i) * P.g.s1 + h * P.g.s2;
-      const float x = load_as_float(P.g.data, P.g_dtype, og) + (P.has_dt_bias ? P.dt_bias[h] : 0.f);
-      const float A = expf(P.A_log[h]);
-      const float sg = x <= 20.f ? 1.f / (1.f + expf(-x)) : 1.f;
-      pa = dg * (-A) * softplus_f(x);  // dg * g
-      dg = dg * (-A) * sg;
+      const GateGrad gg = gate_activation_backward(dg, x, P.A_log[h], g);
+      pa = gg.dA_log;  // dg * g
+      dg = gg.dx;
       pb = dg;
     }
     store_from_float(P.dg.data, P.g_dtype, o, dg);

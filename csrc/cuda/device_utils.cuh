@@ -5,7 +5,7 @@
 //    DeviceScope: the tensors' device current for a host scope.
 //  - Element conversions: to_float / from_float<T> for float, __nv_bfloat16, __half, and
 //    load_as_float(ptr, dtype, i) for a run-time storage dtype (fp32 | bf16 | fp16).
-//  - Warp reductions and an inclusive warp scan.
+//  - Warp reductions, the l2norm factor of a row spread over a warp, an inclusive warp scan.
 //  - Tensor-core helpers (mma.sync m16n8k16, bf16 or fp16 operands, fp32 accumulate), with
 //    ldmatrix fragment loaders from shared memory tiles of 2-byte elements:
 //      load_a_rowmajor  : A 16x16 tile from smem stored [m][k]          (A itself)
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/numerics.h"
 #include "cuda/cuda_backend.h"
 #include "flashgdn/flashgdn.h"
 
@@ -130,10 +131,6 @@ __device__ __forceinline__ void store_hi_lo2(T* hi, T* lo, int off, float a, flo
   *reinterpret_cast<uint32_t*>(lo + off) = pack2<T>(to_float(al), to_float(bl));
 }
 
-// ---- math ----------------------------------------------------------------------------------
-// softplus(x) = log1p(exp(x)) for x <= 20, else x (matches the CPU backend and the oracle).
-__device__ __forceinline__ float softplus_f(float x) { return x <= 20.f ? log1pf(expf(x)) : x; }
-
 // ---- warp reductions -------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -145,6 +142,30 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+// r = 1 / sqrt(sum x^2 + 1e-6) of a row spread over the warp (each lane's elements in x, zeros
+// past the row's end), right for any finite row: rescaled where the sum overflows
+// (common/numerics.h). Warp-uniform: the butterfly sums give every lane the same value.
+template <int N>
+__device__ __forceinline__ float warp_l2norm_rnorm(const float (&x)[N]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < N; ++u) ss += x[u] * x[u];
+  return l2norm_rnorm(
+      warp_sum(ss),
+      [&] {
+        float m = 0.f;
+#pragma unroll
+        for (int u = 0; u < N; ++u) m = fmaxf(m, fabsf(x[u]));
+        return warp_max(m);
+      },
+      [&](float sc) {
+        float t = 0.f;
+#pragma unroll
+        for (int u = 0; u < N; ++u) t += (sc * x[u]) * (sc * x[u]);
+        return warp_sum(t);
+      });
+}
+
 // Inclusive prefix sum over the 32 lanes (lane i gets x_0 + .. + x_i).
 __device__ __forceinline__ float warp_inclusive_scan(float x) {
   const int lane = threadIdx.x & 31;

@@ -43,11 +43,9 @@ __global__ void __launch_bounds__(128) gate_cumsum_kernel(const GateParams p) {
     if (i < c.len) {
       const int64_t t = c.t0 + i;
       float g = load_as_float(p.g, p.g_dtype, c.b * p.gs0 + t * p.gs1 + h * p.gs2);
-      if (p.gate_in_kernel) {
-        const float x = g + (p.dt_bias ? p.dt_bias[h] : 0.f);
-        g = -expf(p.A_log[h]) * softplus_f(x);
-      }
-      gv[u] = g;
+      if (p.gate_in_kernel)
+        g = gate_from_activation(g + (p.dt_bias ? p.dt_bias[h] : 0.f), p.A_log[h]);
+      gv[u] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
       bv[u] = load_as_float(p.beta, p.beta_dtype, c.b * p.bs0 + t * p.bs1 + h * p.bs2);
     }
   }
@@ -73,6 +71,9 @@ struct NormParams {
   float* r;               // [H][B*T]
 };
 
+// Elements of a row per lane: the CUDA head dims are at most 128 = 32 * 4.
+constexpr int kMaxPerLane = 4;
+
 // One warp per (token, head) row: r = 1 / sqrt(sum x^2 + 1e-6).
 __global__ void __launch_bounds__(256) l2norm_factor_kernel(const NormParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -81,13 +82,14 @@ __global__ void __launch_bounds__(256) l2norm_factor_kernel(const NormParams p) 
   const int64_t f = row / p.H, h = row % p.H;
   const int64_t b = f / p.T, t = f % p.T;
   const int64_t base = b * p.s0 + t * p.s1 + h * p.s2;
-  float s = 0.f;
-  for (int64_t d = lane; d < p.D; d += 32) {
-    const float v = load_as_float(p.x, p.dtype, base + d);
-    s += v * v;
+  float x[kMaxPerLane];
+#pragma unroll
+  for (int u = 0; u < kMaxPerLane; ++u) {
+    const int64_t d = lane + 32 * u;
+    x[u] = d < p.D ? load_as_float(p.x, p.dtype, base + d) : 0.f;
   }
-  s = warp_sum(s);
-  if (lane == 0) p.r[h * (p.rows / p.H) + f] = rsqrtf(s + 1e-6f);
+  const float r = warp_l2norm_rnorm(x);
+  if (lane == 0) p.r[h * (p.rows / p.H) + f] = r;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 //   gcum [Hv][NT] : in-chunk inclusive cumulative sum of the log gate g (c_i = g_1 + .. + g_i
 //                   within each 64-token chunk of each sequence; chunks start at the sequence's
 //                   first token). With gate_in_kernel, g = -exp(A_log[h]) * softplus(a + dt_bias[h]).
+//                   Each g is floored at -128 first (common/numerics.h: g = -inf is a reset).
 //   beta [Hv][NT] : beta as fp32.
 //   rq, rk [Hq][NT]: only with use_qk_l2norm_in_kernel (else nullptr): r = 1 / sqrt(sum x^2 +
 //                   1e-6) of the q / k row; the normalised row is x * r (applied in the kernels

@@ -1,18 +1,8 @@
 // The CPU backend (csrc/cpu/, float32 chunked algorithm) through the public C++ API on host
-// tensors, against the float64 oracle (reference/) run on the SAME storage-rounded inputs.
-//
-// Bound, per output tensor, on the relative L2 error ||x - ref|| / ||ref||:
-//   kTolF32 (float32 arithmetic)  +  u(storage dtype of that output)
-// where u is the unit roundoff of the dtype the output is stored in (0 for float32 outputs,
-// 2^-8 for bf16, 2^-11 for fp16): storing a tensor in a dtype with unit roundoff u changes it by
-// at most u in relative L2, so this bound is what float32 arithmetic plus the final rounding can
-// give. For rounded outputs we additionally require the error against the oracle's output
-// rounded the same way to stay below u / 4 (that catches a systematic error of size ~u that the
-// first bound would let through). States (final, checkpoints, dh0) and dA_log / ddt_bias are
-// always float32.
+// tensors, against the float64 oracle (reference/) run on the SAME storage-rounded inputs, with
+// the bounds of cpu_check.h.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -20,6 +10,7 @@
 
 #include "flashgdn/flashgdn.hpp"
 #include "gdn_reference.h"
+#include "cpu_check.h"
 #include "test_util.h"
 
 namespace ft = flashgdn::test;
@@ -27,96 +18,14 @@ namespace ref = flashgdn::reference;
 
 namespace {
 
-constexpr double kTolF32 = 2e-5;
-// dA_log, ddt_bias: sums over every token of a head whose terms cancel, which amplifies the
-// per-token float32 error of dg by about the ratio sum|dg g| / |sum dg g|.
-constexpr double kTolReduction = 5e-5;
+using ft::kTolF32;
 
 // Largest error seen per (tensor, input dtype), printed once at the end.
 ft::ErrorSummary& errors = ft::add_error_summary("CpuBackend");
 
-// Checks one output tensor stored in `storage` against the oracle's float64 values.
-void expect_close(const std::string& name, const std::string& what, fgdn_dtype in_dt,
-                  const std::vector<double>& got, const std::vector<double>& want,
-                  fgdn_dtype storage, double tol = kTolF32) {
-  ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
-  const double u = storage == FGDN_FLOAT32 ? 0.0 : ft::unit_roundoff(storage);
-  const double err = ft::rel_l2(got, want);
-  if (std::getenv("FLASHGDN_TEST_VERBOSE"))
-    std::printf("  %-28s %-12s %.3e\n", name.c_str(), what.c_str(), err);
-  errors.record(what, in_dt, err, name);
-  EXPECT_LE(err, tol + u) << name << ": " << what << " rel L2 error " << err;
-  if (storage != FGDN_FLOAT32) {
-    const double err_r = ft::rel_l2(got, ft::round_vec(want, storage));
-    errors.record(what + " (" + flashgdn::dtype_name(in_dt) + ", vs rounded)", err_r, name);
-    EXPECT_LE(err_r, u / 4) << name << ": " << what << " vs rounded oracle, rel L2 " << err_r;
-  }
-}
-
-// Slice [n * len, (n + 1) * len) of x.
-std::vector<double> slice(const std::vector<double>& x, int64_t n, int64_t len) {
-  return std::vector<double>(x.begin() + n * len, x.begin() + (n + 1) * len);
-}
-
 void run_and_check(const ft::Spec& s) {
   ft::Case c(s);
-  const int64_t N = s.N(), HKV = s.Hv * s.K * s.V;
-  const std::vector<unsigned char> h0_before = c.h0.bytes;
-
-  // ---- forward
-  flashgdn::FwdArgs fa = c.fwd_args();
-  ASSERT_NO_THROW(flashgdn::forward(fa)) << s.name;
-  const ref::Outputs ro = ref::forward(c.rp, c.ri);
-  expect_close(s.name, "o", s.dt, c.o.to_double(), ro.o, s.dt);
-  if (s.final_state) {
-    if (s.state_indices) {
-      // the final state of sequence n is in pool row idx[n]; rows no sequence writes (and the
-      // rows of sequences with a negative index) are bitwise unchanged
-      const ft::PoolFinalStates p = ft::pool_final_states(c, ro.ht);
-      expect_close(s.name, "ht", s.dt, p.got, p.want, FGDN_FLOAT32);
-      ft::expect_unwritten_rows_unchanged(c, p.written, h0_before);
-    } else {
-      expect_close(s.name, "ht", s.dt, ft::state_dense(c.ht, N, s.Hv, s.K, s.V, s.v_first),
-                   ro.ht, FGDN_FLOAT32);
-    }
-  }
-  if (s.checkpoint_every > 0) {
-    const int64_t R = c.num_checkpoints();
-    expect_close(s.name, "checkpoints", s.dt, ft::state_dense(c.ck, R, s.Hv, s.K, s.V, s.v_first),
-                 ro.checkpoints, FGDN_FLOAT32);
-  }
-
-  // ---- backward (from the original initial state)
-  c.reset_initial_state();
-  flashgdn::BwdArgs ba = c.bwd_args();
-  ASSERT_NO_THROW(flashgdn::backward(ba)) << s.name;
-  EXPECT_EQ(c.h0.bytes, h0_before) << s.name << ": backward modified the initial state";
-  ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
-  ft::zero_dh0_of_unindexed(c, rg);
-  expect_close(s.name, "dq", s.dt, c.dq.to_double(), rg.dq, s.dt);
-  expect_close(s.name, "dk", s.dt, c.dk.to_double(), rg.dk, s.dt);
-  expect_close(s.name, "dv", s.dt, c.dv.to_double(), rg.dv, s.dt);
-  expect_close(s.name, "dg", s.dt, c.dg.to_double(), rg.dg, s.g_dt);
-  expect_close(s.name, "dbeta", s.dt, c.dbeta.to_double(), rg.dbeta, s.beta_dt);
-  if (s.h0) {
-    expect_close(s.name, "dh0", s.dt, ft::state_dense(c.dh0, N, s.Hv, s.K, s.V, s.v_first),
-                 rg.dh0, FGDN_FLOAT32);
-    if (s.state_indices) {  // a sequence with a negative index has zero dh0
-      const auto dh0 = ft::state_dense(c.dh0, N, s.Hv, s.K, s.V, s.v_first);
-      for (int64_t n = 0; n < N; ++n) {
-        if (c.idx[static_cast<size_t>(n)] >= 0) continue;
-        EXPECT_EQ(ft::rel_l2(slice(dh0, n, HKV), std::vector<double>(static_cast<size_t>(HKV))), 0.0)
-            << s.name << ": dh0 of sequence " << n;
-      }
-    }
-  }
-  if (s.gate_in_kernel) {
-    expect_close(s.name, "dA_log", s.dt, c.dA_log.to_double(), rg.dA_log, FGDN_FLOAT32,
-                 kTolReduction);
-    if (s.dt_bias)
-      expect_close(s.name, "ddt_bias", s.dt, c.ddt_bias.to_double(), rg.ddt_bias, FGDN_FLOAT32,
-                   kTolReduction);
-  }
+  ft::expect_cpu_matches_oracle(c, errors);
 }
 
 // ---- the parametrized cases ---------------------------------------------------------------

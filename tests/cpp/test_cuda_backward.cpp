@@ -1,196 +1,32 @@
 // The CUDA backward through the public C++ API on device tensors, against the float64 oracle
-// (reference/) run on the SAME storage-rounded inputs. Skips when no CUDA device is present.
-//
-// Bounds (relative L2 error ||x - ref|| / ||ref|| over the whole tensor): dq, dk, dv, dbeta,
-// dh0 <= 8e-3; dg (and dA_log, ddt_bias) <= 1.2e-2; dq, dk, dv and dh0 also <= 1.6e-2 on every
-// (sequence, head) slice of at least 64 tokens. Every element must be finite (outputs are
-// poisoned with NaN before the call). Also: bitwise identical results over runs, and a
-// sequence's gradients do not depend on what else is packed in the batch.
+// (reference/) run on the SAME storage-rounded inputs, with the bounds of cuda_check.h (outputs
+// are poisoned with NaN before the call). Skips when no CUDA device is present. Also: bitwise
+// identical results over runs, and a sequence's gradients do not depend on what else is packed
+// in the batch.
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "flashgdn/flashgdn.hpp"
-#include "gdn_reference.h"
 #include "test_util.h"
 
-#if defined(FLASHGDN_WITH_CUDA)
-#include <cuda_runtime.h>
-#endif
-
 namespace ft = flashgdn::test;
-namespace ref = flashgdn::reference;
 
 namespace {
 
-constexpr double kTol = 8e-3;
-constexpr double kTolDg = 1.2e-2;
-constexpr double kTolSlice = 2 * kTol;
-
-[[maybe_unused]] bool have_device() {
-#if defined(FLASHGDN_WITH_CUDA)
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return false;
-  return n > 0;
-#else
-  return false;
-#endif
-}
-
-[[maybe_unused]] ft::ErrorSummary& errors = ft::add_error_summary("CudaBackward");
+using ft::have_cuda_device;
 
 #if defined(FLASHGDN_WITH_CUDA)
 
-#define CUDA_OK(x) ASSERT_EQ(cudaSuccess, (x)) << #x
-
-// Device copies of every tensor of a BwdArgs built on the host; outputs poisoned with NaN.
-struct DeviceArgs {
-  std::vector<void*> ptrs;
-  flashgdn::BwdArgs a;
-  std::vector<int64_t> cu_host;
-
-  ~DeviceArgs() {
-    for (void* p : ptrs) cudaFree(p);
-  }
-  static size_t bytes_of(const fgdn_tensor& t) {
-    // extent of a strided tensor: 1 + sum (shape - 1) * stride elements
-    int64_t n = 1;
-    for (int d = 0; d < t.ndim; ++d) {
-      if (t.shape[d] == 0) return 0;
-      n += (t.shape[d] - 1) * t.strides[d];
-    }
-    return static_cast<size_t>(n) * flashgdn::dtype_size(t.dtype);
-  }
-  bool to_device(fgdn_tensor& t, bool poison) {
-    if (t.data == nullptr) return true;
-    const size_t nb = bytes_of(t);
-    void* d = nullptr;
-    if (cudaMalloc(&d, nb > 0 ? nb : 16) != cudaSuccess) return false;
-    ptrs.push_back(d);
-    if (poison) {
-      if (cudaMemset(d, 0xff, nb) != cudaSuccess) return false;  // NaN in fp32 / bf16 / fp16
-    } else if (nb > 0 && cudaMemcpy(d, t.data, nb, cudaMemcpyHostToDevice) != cudaSuccess) {
-      return false;
-    }
-    t.data = d;
-    t.device_type = FGDN_CUDA;
-    t.device_id = 0;
-    return true;
-  }
-  bool build(const flashgdn::BwdArgs& host, const std::vector<int64_t>& cu) {
-    a = host;
-    fgdn_inputs& in = a.in;
-    for (fgdn_tensor* t : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.A_log, &in.dt_bias,
-                           &in.cu_seqlens, &in.initial_state, &in.state_indices, &a.d_o,
-                           &a.d_final_state})
-      if (!to_device(*t, false)) return false;
-    for (fgdn_tensor* t : {&a.dq, &a.dk, &a.dv, &a.dg, &a.dbeta, &a.dA_log, &a.ddt_bias, &a.dh0})
-      if (!to_device(*t, true)) return false;
-    if (!cu.empty()) {
-      cu_host = cu;
-      in.cu_seqlens_host = flashgdn::host_tensor(cu_host.data(), FGDN_INT64,
-                                                 {static_cast<int64_t>(cu_host.size())});
-    }
-    return true;
-  }
-  static bool back(const fgdn_tensor& t, ft::HostBuffer& b) {
-    if (t.data == nullptr) return true;
-    return cudaMemcpy(b.data(), t.data, b.bytes.size(), cudaMemcpyDeviceToHost) == cudaSuccess;
-  }
-  // Copies every gradient back into the Case's host buffers.
-  bool copy_back(ft::Case& c) {
-    return back(a.dq, c.dq) && back(a.dk, c.dk) && back(a.dv, c.dv) && back(a.dg, c.dg) &&
-           back(a.dbeta, c.dbeta) && back(a.dA_log, c.dA_log) && back(a.ddt_bias, c.ddt_bias) &&
-           back(a.dh0, c.dh0);
-  }
-};
-
-void expect_close(const std::string& name, const std::string& what, const std::vector<double>& got,
-                  const std::vector<double>& want, double tol) {
-  ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
-  EXPECT_TRUE(ft::all_finite(got)) << name << ": " << what << " has non-finite elements";
-  const double err = ft::rel_l2(got, want);
-  EXPECT_LE(err, tol) << name << ": " << what << " relative L2 error " << err;
-  if (std::getenv("FLASHGDN_TEST_VERBOSE"))
-    std::printf("  %-28s %-8s %.3e\n", name.c_str(), what.c_str(), err);
-  errors.record(what, err, name);
-}
-
-// Rows [t0, t0 + len) of batch row b, head h, of a [B, T, H, D] tensor.
-std::vector<double> tok_slice(const std::vector<double>& x, int64_t T, int64_t H, int64_t D,
-                              int64_t b, int64_t t0, int64_t len, int64_t h) {
-  std::vector<double> y;
-  y.reserve(static_cast<size_t>(len * D));
-  for (int64_t t = t0; t < t0 + len; ++t)
-    for (int64_t d = 0; d < D; ++d) y.push_back(x[static_cast<size_t>(((b * T + t) * H + h) * D + d)]);
-  return y;
-}
-
-// Runs the backward on the device for one case; returns false (after a failed assertion) when
-// something could not run.
-void run_backward(ft::Case& c, DeviceArgs& dev) {
-  flashgdn::BwdArgs host = c.bwd_args();
-  ASSERT_TRUE(dev.build(host, c.s.cu)) << c.s.name << ": device allocation / copy failed";
-  ASSERT_NO_THROW(flashgdn::backward(dev.a)) << c.s.name;
-  CUDA_OK(cudaDeviceSynchronize());
-  ASSERT_TRUE(dev.copy_back(c)) << c.s.name;
-}
+ft::ErrorSummary& errors = ft::add_error_summary("CudaBackward");
 
 void run_and_check(const ft::Spec& s) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
   ft::Case c(s);
-  DeviceArgs dev;
-  run_backward(c, dev);
-  if (::testing::Test::HasFatalFailure()) return;
-  ref::Grads rg = ref::backward(c.rp, c.ri, c.d_o, c.d_ht);
-  ft::zero_dh0_of_unindexed(c, rg);
-  const int64_t N = s.N();
-  const auto dq = c.dq.to_double(), dk = c.dk.to_double(), dv = c.dv.to_double();
-  expect_close(s.name, "dq", dq, rg.dq, kTol);
-  expect_close(s.name, "dk", dk, rg.dk, kTol);
-  expect_close(s.name, "dv", dv, rg.dv, kTol);
-  expect_close(s.name, "dbeta", c.dbeta.to_double(), rg.dbeta, kTol);
-  expect_close(s.name, "dg", c.dg.to_double(), rg.dg, kTolDg);
-  std::vector<double> dh0;
-  if (s.h0) {
-    dh0 = ft::state_dense(c.dh0, N, s.Hv, s.K, s.V, s.v_first);
-    expect_close(s.name, "dh0", dh0, rg.dh0, kTol);
-  }
-  if (s.gate_in_kernel) {
-    expect_close(s.name, "dA_log", c.dA_log.to_double(), rg.dA_log, kTolDg);
-    if (s.dt_bias) expect_close(s.name, "ddt_bias", c.ddt_bias.to_double(), rg.ddt_bias, kTolDg);
-  }
-  // per (sequence, head) slices of at least 64 tokens
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t len = s.seq_len(n);
-    if (len < 64) continue;
-    const int64_t b = s.cu.empty() ? n : 0, t0 = s.cu.empty() ? 0 : s.cu[n];
-    for (int64_t h = 0; h < s.Hq; ++h) {
-      const std::string w = " seq " + std::to_string(n) + " head " + std::to_string(h);
-      EXPECT_LE(ft::rel_l2(tok_slice(dq, s.T, s.Hq, s.K, b, t0, len, h),
-                           tok_slice(rg.dq, s.T, s.Hq, s.K, b, t0, len, h)), kTolSlice)
-          << s.name << ": dq" << w;
-      EXPECT_LE(ft::rel_l2(tok_slice(dk, s.T, s.Hq, s.K, b, t0, len, h),
-                           tok_slice(rg.dk, s.T, s.Hq, s.K, b, t0, len, h)), kTolSlice)
-          << s.name << ": dk" << w;
-    }
-    for (int64_t h = 0; h < s.Hv; ++h) {
-      const std::string w = " seq " + std::to_string(n) + " head " + std::to_string(h);
-      EXPECT_LE(ft::rel_l2(tok_slice(dv, s.T, s.Hv, s.V, b, t0, len, h),
-                           tok_slice(rg.dv, s.T, s.Hv, s.V, b, t0, len, h)), kTolSlice)
-          << s.name << ": dv" << w;
-      if (s.h0 && !(s.state_indices && c.idx[static_cast<size_t>(n)] < 0)) {
-        const int64_t KV = s.K * s.V, o = (n * s.Hv + h) * KV;
-        const std::vector<double> a(dh0.begin() + o, dh0.begin() + o + KV);
-        const std::vector<double> r(rg.dh0.begin() + o, rg.dh0.begin() + o + KV);
-        EXPECT_LE(ft::rel_l2(a, r), kTolSlice) << s.name << ": dh0" << w;
-      }
-    }
-  }
+  ft::expect_cuda_backward_matches_oracle(c, errors);
 }
 
 #endif  // FLASHGDN_WITH_CUDA
@@ -295,16 +131,14 @@ std::vector<unsigned char> all_grad_bytes(ft::Case& c) {
 
 TEST(CudaBackward, BitwiseIdenticalOverRuns) {
 #if defined(FLASHGDN_WITH_CUDA)
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
   ft::Spec s = with_states(varlen_d("det", {0, 0, 1, 70, 200, 330}, 2, 4, 64));
   s.gate_in_kernel = true;
   s.l2norm = true;
   std::vector<unsigned char> first;
   for (int rep = 0; rep < 3; ++rep) {
     ft::Case c(s);
-    DeviceArgs dev;
-    run_backward(c, dev);
-    if (HasFatalFailure()) return;
+    ASSERT_NO_FATAL_FAILURE(ft::run_backward_on_device(c));
     const auto b = all_grad_bytes(c);
     if (rep == 0) first = b;
     else EXPECT_TRUE(b == first) << "run " << rep << " differs from run 0";
@@ -317,14 +151,12 @@ TEST(CudaBackward, BitwiseIdenticalOverRuns) {
 // One sequence alone and packed between others: its gradients are bitwise the same.
 TEST(CudaBackward, IndependentOfPacking) {
 #if defined(FLASHGDN_WITH_CUDA)
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
   const int64_t L = 150, Hq = 1, Hv = 2, D = 64;
   ft::Spec alone = varlen_d("alone", {0, L}, Hq, Hv, D);
   alone.l2norm = true;
   ft::Case ca(alone);
-  DeviceArgs da;
-  run_backward(ca, da);
-  if (HasFatalFailure()) return;
+  ASSERT_NO_FATAL_FAILURE(ft::run_backward_on_device(ca));
   // the packed problem: 37 tokens, the same sequence, 90 tokens
   ft::Spec packed = varlen_d("packed", {0, 37, 37 + L, 37 + L + 90}, Hq, Hv, D);
   packed.l2norm = true;
@@ -340,9 +172,7 @@ TEST(CudaBackward, IndependentOfPacking) {
   put(cp.g, ca.g, Hv);
   put(cp.beta, ca.beta, Hv);
   put(cp.d_o_buf, ca.d_o_buf, Hv * D);
-  DeviceArgs dp;
-  run_backward(cp, dp);
-  if (HasFatalFailure()) return;
+  ASSERT_NO_FATAL_FAILURE(ft::run_backward_on_device(cp));
   auto same = [&](const ft::HostBuffer& p, const ft::HostBuffer& a, int64_t row, const char* w) {
     const size_t es = flashgdn::dtype_size(p.dtype);
     EXPECT_EQ(0, std::memcmp(p.bytes.data() + 37 * row * es, a.bytes.data(),
