@@ -609,6 +609,12 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
     c.absent("final_state", a->final_state, "output_final_state is 0");
   }
 
+  if (a->precision != FGDN_PRECISION_DEFAULT && a->precision != FGDN_PRECISION_FAST &&
+      a->precision != FGDN_PRECISION_HIGH)
+    c.fail("precision", "FGDN_PRECISION_DEFAULT (0), FGDN_PRECISION_FAST (1) or FGDN_PRECISION_HIGH (2)",
+           std::to_string(a->precision));
+  p.precision = static_cast<fgdn_precision>(a->precision);
+
   p.checkpoint_every = a->checkpoint_every;
   if (p.checkpoint_every < 0 || p.checkpoint_every % 64 != 0)
     c.fail("checkpoint_every", "0 or a positive multiple of 64",

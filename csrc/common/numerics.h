@@ -34,11 +34,9 @@
 #include <float.h>
 #include <math.h>
 
-#if defined(__CUDACC__)
-#define FGDN_HD __host__ __device__ __forceinline__
-#else
-#define FGDN_HD inline
-#endif
+#include "common/host_device.h"
+
+#define FGDN_HD FGDN_HOST_DEVICE inline
 
 namespace flashgdn {
 

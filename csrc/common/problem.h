@@ -42,6 +42,7 @@ struct Problem {
   int64_t pool_rows = 0;       // rows of initial_state (N without state_indices)
 
   // Forward only.
+  fgdn_precision precision = FGDN_PRECISION_DEFAULT;
   bool output_final_state = false;
   int64_t checkpoint_every = 0;
 

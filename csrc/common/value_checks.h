@@ -7,13 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/host_device.h"
 #include "flashgdn/flashgdn.h"
-
-#ifdef __CUDACC__
-#define FGDN_HOST_DEVICE __host__ __device__
-#else
-#define FGDN_HOST_DEVICE
-#endif
 
 namespace flashgdn {
 

@@ -5,45 +5,48 @@
 #include <string>
 
 #include "cuda/chunk_bwd.h"
-#include "cuda/chunk_fwd.cuh"
 #include "cuda/chunk_index.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/device_utils.cuh"
+#include "sm90/fwd_launch.h"
 
 namespace flashgdn::cuda {
 
-size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& /*a*/) {
-  return chunk_fwd_workspace_bytes(p);
+// The scheme behind each public precision level (sm90/fwd_traits.cuh).
+// The default is the fastest scheme whose errors stay at or below the best peer's on the
+// benchmark's check shape (bench/NOTES.md): kFast.
+sm90::Precision forward_precision(fgdn_precision p) {
+  return p == FGDN_PRECISION_HIGH ? sm90::Precision::kHigh : sm90::Precision::kFast;
+}
+
+size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& a) {
+  return sm90::forward_workspace_bytes(p, a);
 }
 
 void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* stream) {
   DeviceScope scope(p.device_id);
-  ChunkFwdOutputs out;
-  out.o = a.o;
-  out.write_final = a.output_final_state != 0;
-  out.final_state = a.final_state;
-  if (p.checkpoint_every > 0) out.checkpoints = a.checkpoints;
-  launch_chunk_fwd_ws(p, a.in, workspace, out, static_cast<cudaStream_t>(stream));
+  sm90::require_sm90(p.device_id);
+  sm90::forward(p, a, forward_precision(p.precision), workspace, static_cast<cudaStream_t>(stream));
 }
 
 size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& /*a*/) {
   return backward_workspace_bytes(p);
 }
 
-// The grids of the forward (chunk_fwd.cu: sequences x Hv x V/64; preprocess.cu: chunk slots x
-// ceil(Hv/4), ceil(B*T*Hq/8) blocks) and of the backward (chunk_bwd*.cu: chunk slots or
-// sequences x heads x slices): x up to 2^31 - 1 blocks, y up to 65535.
+// The grids of the forward (sm90: one CTA per sequence x value head; TMA coordinates of tokens
+// and batch rows are 32-bit) and of the backward (chunk_bwd*.cu: chunk slots or sequences x
+// heads x slices): x up to 2^31 - 1 blocks, y up to 65535.
 std::string launch_limits_error(const Problem& p) {
   constexpr int64_t kMaxX = 2147483647, kMaxY = 65535;
   const int64_t slots = num_chunk_slots(p);
-  const int64_t norm_blocks = ceil_div(p.B * p.T * p.Hq, 8);  // no overflow: validated sizes
-  if (p.N > kMaxX)
-    return "the CUDA kernels take at most 2^31 - 1 sequences, got N=" + std::to_string(p.N);
+  if (p.N > kMaxX / p.Hv)
+    return "the CUDA kernels take at most 2^31 - 1 (sequence, value head) pairs, got N*Hv=" +
+           std::to_string(p.N) + "*" + std::to_string(p.Hv);
+  if (p.T > kMaxX || p.B > kMaxX)
+    return "the CUDA kernels take at most 2^31 - 1 tokens per batch row and batch rows, got B=" +
+           std::to_string(p.B) + ", T=" + std::to_string(p.T);
   if (slots > kMaxX)
     return "the CUDA kernels take at most 2^31 - 1 chunks of 64 tokens, got " + std::to_string(slots);
-  if (norm_blocks > kMaxX)
-    return "the CUDA kernels take at most 2^34 tokens x q/k heads, got B*T*Hq=" +
-           std::to_string(p.B * p.T * p.Hq);
   if (p.Hv > kMaxY || p.Hq > kMaxY)
     return "the CUDA kernels take at most 65535 heads, got Hv=" + std::to_string(p.Hv);
   return "";
@@ -51,6 +54,7 @@ std::string launch_limits_error(const Problem& p) {
 
 void backward(const Problem& p, const fgdn_bwd_args& a, void* workspace, void* stream) {
   DeviceScope scope(p.device_id);
+  sm90::require_sm90(p.device_id);
   launch_backward(p, a, workspace, static_cast<cudaStream_t>(stream));
   FGDN_CHECK_LAUNCH("the CUDA backward");
 }

@@ -71,6 +71,10 @@ __device__ __forceinline__ int64_t chunk_slot(const SeqLayout& s, int64_t n, int
   return seq_t0 / kChunk + n + j;
 }
 
+// Varlen checkpoints: out[n] = sum_{m < n} floor(len_m / every), the first checkpoint row of
+// sequence n ([N] int64 on the device), computed on `stream`.
+void launch_checkpoint_offsets(const SeqLayout& seq, int64_t every, int64_t* out, cudaStream_t stream);
+
 struct ChunkInfo {
   int64_t n;    // sequence
   int64_t b;    // batch row

@@ -53,6 +53,14 @@ typedef enum fgdn_dtype {
 /* Same codes as DLPack's DLDeviceType. */
 typedef enum fgdn_device_type { FGDN_CPU = 1, FGDN_CUDA = 2 } fgdn_device_type;
 
+/* Accuracy of the CUDA forward's chunk arithmetic (the CPU backend computes in float32 always). */
+typedef enum fgdn_precision {
+  FGDN_PRECISION_DEFAULT = 0, /* the library's choice: as fast as keeps o within the peers' error */
+  FGDN_PRECISION_FAST = 1,    /* every tensor-core operand one 16-bit value (the peers' scheme) */
+  FGDN_PRECISION_HIGH = 2     /* computed operands split in two 16-bit halves: o at the rounding
+                                 floor of its dtype, about 1.5-2x the time */
+} fgdn_precision;
+
 typedef enum fgdn_status {
   FGDN_SUCCESS = 0,
   FGDN_ERROR_INVALID_ARGUMENT = 1, /* a caller's argument was rejected; nothing was written */
@@ -124,6 +132,7 @@ typedef struct fgdn_fwd_args {
      checkpoint (j = 0, 1, ...) is row offset_n + j, offset_n = sum_{m < n} floor(len_m /
      checkpoint_every), the state after (j + 1) * checkpoint_every of its tokens. */
   fgdn_tensor checkpoints;
+  int32_t precision; /* fgdn_precision */
 } fgdn_fwd_args;
 
 typedef struct fgdn_bwd_args {

@@ -190,6 +190,16 @@ def _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_
     )
 
 
+# The C ABI's fgdn_precision codes of the forward's arithmetic (docs/api.md).
+PRECISIONS = {"default": 0, "fast": 1, "high": 2}
+
+
+def _precision(value) -> int:
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {sorted(PRECISIONS)}, got {value!r}")
+    return PRECISIONS[value]
+
+
 def chunk_gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -213,6 +223,7 @@ def chunk_gated_delta_rule_fwd(
     final_state: Optional[torch.Tensor] = None,
     checkpoints: Optional[torch.Tensor] = None,
     check_inputs: bool = False,
+    precision: str = "default",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
@@ -224,7 +235,8 @@ def chunk_gated_delta_rule_fwd(
     ``initial_state``). ``checkpoints`` is None unless ``checkpoint_every > 0``; when allocated
     here it has ``checkpoint_rows(B, T, checkpoint_every)`` rows, the rows past the ones written
     (varlen; see ``checkpoint_offsets``) zero. ``check_inputs``: check mode (docs/api.md).
-    Nothing is written when an argument is rejected (ValueError naming it).
+    ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA forward's arithmetic;
+    docs/api.md). Nothing is written when an argument is rejected (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -260,6 +272,7 @@ def chunk_gated_delta_rule_fwd(
     kw.update(
         output_final_state=output_final_state,
         checkpoint_every=checkpoint_every,
+        precision=_precision(precision),
         o=_desc("o", o),
         final_state=_desc("final_state", final_state) if want_final else None,
         checkpoints=_desc("checkpoints", checkpoints) if checkpoint_every > 0 else None,

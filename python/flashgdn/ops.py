@@ -56,6 +56,7 @@ def _fwd_op(
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, output_final_state: bool, checkpoint_every: int, check_inputs: bool,
+    precision: str = "default",
 ) -> Tuple[Tensor, Tensor, Tensor]:
     o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -63,7 +64,7 @@ def _fwd_op(
         cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
-        check_inputs=check_inputs,
+        check_inputs=check_inputs, precision=precision,
     )
     return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
 
@@ -71,7 +72,7 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              output_final_state, checkpoint_every, check_inputs):
+              output_final_state, checkpoint_every, check_inputs, precision="default"):
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
         ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
@@ -126,12 +127,13 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 
 # ---- autograd -------------------------------------------------------------------------------
 
-_N_FWD_ARGS = 18
+_N_FWD_ARGS = 19
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-     scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs) = inputs
+     scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
+     _precision) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs)
@@ -175,14 +177,14 @@ def _fwd_pool_op(
     cu_seqlens: Optional[Tensor], cu_seqlens_host: Optional[Tensor],
     initial_state: Tensor, state_indices: Tensor,
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
-    state_v_first: bool, checkpoint_every: int, check_inputs: bool,
+    state_v_first: bool, checkpoint_every: int, check_inputs: bool, precision: str = "default",
 ) -> Tuple[Tensor, Tensor]:
     o, _, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
-        checkpoint_every=checkpoint_every, check_inputs=check_inputs,
+        checkpoint_every=checkpoint_every, check_inputs=check_inputs, precision=precision,
     )
     return o, (ckpt if ckpt is not None else _empty(q))
 
@@ -190,7 +192,7 @@ def _fwd_pool_op(
 @_fwd_pool_op.register_fake
 def _fwd_pool_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
                    state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-                   checkpoint_every, check_inputs):
+                   checkpoint_every, check_inputs, precision="default"):
     o = q.new_empty(tuple(v.shape))
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
             if checkpoint_every > 0 else _empty(q))
@@ -253,6 +255,7 @@ def chunk_gated_delta_rule(
     chunk_indices: Optional[Tensor] = None,
     cp_context=None,
     check_inputs: bool = False,
+    precision: str = "default",
     **kwargs,
 ):
     r"""Gated delta rule, chunked: FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
@@ -292,6 +295,10 @@ def chunk_gated_delta_rule(
             ``offset_n + j`` with ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
             (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
             Checkpoints are not differentiable.
+        precision: the CUDA forward's arithmetic: ``"default"`` (the fastest scheme whose error
+            stays at or below the peers'), ``"fast"`` (every tensor-core operand one 16-bit
+            value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
+            of its dtype, slower). The CPU backend always computes in float32.
         check_inputs: check mode: before anything is written, verify the inputs' values (finite,
             ``g <= 0`` as a log gate, state indices in range and distinct where written,
             ``cu_seqlens`` equal to its host copy) at the cost of one host synchronisation;
@@ -345,6 +352,7 @@ def chunk_gated_delta_rule(
     state_v_first = _core._flag("state_v_first", state_v_first)
     check_inputs = _core._flag("check_inputs", check_inputs)
     checkpoint_every = _core._index("checkpoint_every", checkpoint_every, lo=0)
+    _core._precision(precision)
     scale = _core._scale(scale)  # None: 1/sqrt(K), from the library (which refuses K = 0)
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
@@ -390,13 +398,13 @@ def chunk_gated_delta_rule(
             o, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd_pool_(
                 q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
                 scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first, checkpoint_every,
-                check_inputs)
+                check_inputs, precision)
             return (o, None, ckpt) if checkpoint_every > 0 else (o, None)
 
     o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-        output_final_state and state_indices is None, checkpoint_every, check_inputs)
+        output_final_state and state_indices is None, checkpoint_every, check_inputs, precision)
     final_state = ht if output_final_state and state_indices is None else None
     if checkpoint_every > 0:
         return o, final_state, ckpt

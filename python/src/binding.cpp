@@ -188,6 +188,7 @@ fgdn_fwd_args parse_fwd(Kwargs& kw) {
   parse_inputs(kw, a.in);
   a.output_final_state = kw.flag("output_final_state");
   a.checkpoint_every = kw.integer("checkpoint_every");
+  a.precision = static_cast<int32_t>(kw.integer("precision"));
   a.o = kw.tensor("o");
   a.final_state = kw.tensor("final_state");
   a.checkpoints = kw.tensor("checkpoints");

@@ -5,6 +5,9 @@
 //
 // Forward bounds (relative L2 error ||x - ref|| / ||ref||): o, final state and checkpoints
 // <= 6e-3 over the whole tensor and <= 1.2e-2 per (sequence, value head) slice of >= 64 tokens.
+// With precision = high: o within 1.5x the rounding floor of its dtype (bf16 2.5e-3, fp16
+// 3.2e-4: rounding the exact result alone gives 1.66e-3 and 2.1e-4), states and checkpoints
+// <= 1e-4 (slices twice these).
 // Backward bounds: dq, dk, dv, dbeta, dh0 <= 8e-3; dg (and dA_log, ddt_bias) <= 1.2e-2; dq, dk,
 // dv and dh0 also <= 1.6e-2 on every (sequence, head) slice of at least 64 tokens. Every output
 // element must be finite.
@@ -47,6 +50,13 @@ inline bool have_cuda_device() {
 
 constexpr double kCudaFwdTol = 6e-3;
 constexpr double kCudaFwdTolSlice = 1.2e-2;
+
+// The whole-tensor forward bound of one output of a case (slices: twice it).
+inline double cuda_fwd_tol(const Spec& s, bool is_o) {
+  if (s.precision != FGDN_PRECISION_HIGH) return kCudaFwdTol;
+  if (!is_o) return 1e-4;
+  return s.dt == FGDN_FLOAT16 ? 3.2e-4 : 2.5e-3;
+}
 constexpr double kCudaBwdTol = 8e-3;
 constexpr double kCudaBwdTolDg = 1.2e-2;
 constexpr double kCudaBwdTolSlice = 2 * kCudaBwdTol;
@@ -149,14 +159,14 @@ template <class SliceOk>
 void expect_close_fwd(ErrorSummary& errors, const std::string& name, const std::string& what,
                       fgdn_dtype dt, const std::vector<double>& got,
                       const std::vector<double>& want, int64_t count, int64_t slice_len,
-                      SliceOk slice_ok) {
+                      SliceOk slice_ok, double tol = kCudaFwdTol) {
   ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
   EXPECT_TRUE(all_finite(got)) << name << ": " << what << " has non-finite (unwritten) elements";
   const double err = rel_l2(got, want);
   errors.record(what, dt, err, name);
   if (std::getenv("FLASHGDN_TEST_VERBOSE"))
     std::printf("  %-34s %-12s %.3e\n", name.c_str(), what.c_str(), err);
-  EXPECT_LE(err, kCudaFwdTol) << name << ": " << what << " rel L2 error " << err;
+  EXPECT_LE(err, tol) << name << ": " << what << " rel L2 error " << err;
   double worst = 0.0;
   int64_t worst_i = -1;
   for (int64_t i = 0; i < count; ++i) {
@@ -173,7 +183,7 @@ void expect_close_fwd(ErrorSummary& errors, const std::string& name, const std::
     }
   }
   errors.record(what + " per slice", dt, worst, name);
-  EXPECT_LE(worst, kCudaFwdTolSlice) << name << ": " << what << " worst slice " << worst_i
+  EXPECT_LE(worst, 2 * tol) << name << ": " << what << " worst slice " << worst_i
                                      << " rel L2 error " << worst;
 }
 
@@ -215,7 +225,7 @@ inline void expect_cuda_forward_matches_oracle(Case& c, ErrorSummary& errors,
     errors.record("o", s.dt, err, s.name);
     if (std::getenv("FLASHGDN_TEST_VERBOSE"))
       std::printf("  %-34s %-12s %.3e\n", s.name.c_str(), "o", err);
-    EXPECT_LE(err, kCudaFwdTol) << s.name << ": o rel L2 error " << err;
+    EXPECT_LE(err, cuda_fwd_tol(s, true)) << s.name << ": o rel L2 error " << err;
     double worst = 0.0;
     size_t off = 0;
     for (int64_t len : lens) {
@@ -228,7 +238,7 @@ inline void expect_cuda_forward_matches_oracle(Case& c, ErrorSummary& errors,
       off += n;
     }
     errors.record("o per slice", s.dt, worst, s.name);
-    EXPECT_LE(worst, kCudaFwdTolSlice) << s.name << ": o worst (sequence, head) rel L2 " << worst;
+    EXPECT_LE(worst, 2 * cuda_fwd_tol(s, true)) << s.name << ": o worst (sequence, head) rel L2 " << worst;
   }
 
   const auto every = [](int64_t) { return true; };
@@ -236,12 +246,12 @@ inline void expect_cuda_forward_matches_oracle(Case& c, ErrorSummary& errors,
     if (s.state_indices) {
       const PoolFinalStates p = pool_final_states(c, ro.ht);
       const int64_t rows = static_cast<int64_t>(p.got.size()) / KV;
-      expect_close_fwd(errors, s.name, "ht", s.dt, p.got, p.want, rows, KV, every);
+      expect_close_fwd(errors, s.name, "ht", s.dt, p.got, p.want, rows, KV, every, cuda_fwd_tol(s, false));
       expect_unwritten_rows_unchanged(c, p.written, pool_before);
     } else {
       expect_close_fwd(errors, s.name, "ht", s.dt,
                        state_dense(c.ht, N, s.Hv, s.K, s.V, s.v_first), ro.ht, N * s.Hv, KV,
-                       every);
+                       every, cuda_fwd_tol(s, false));
     }
   }
   if (s.checkpoint_every > 0) {
@@ -249,7 +259,7 @@ inline void expect_cuda_forward_matches_oracle(Case& c, ErrorSummary& errors,
     if (R > 0)
       expect_close_fwd(errors, s.name, "checkpoints", s.dt,
                        state_dense(c.ck, R, s.Hv, s.K, s.V, s.v_first), ro.checkpoints, R * s.Hv,
-                       KV, every);
+                       KV, every, cuda_fwd_tol(s, false));
   }
 }
 

@@ -68,11 +68,16 @@ void expect_query(const flashgdn::FwdArgs& a, fgdn_status want, const std::strin
 TEST(CudaContract, LaunchLimitsNotSupported) {
   // 65536 value heads (grid y is at most 65535): every tensor small enough to exist.
   expect_query(fake_forward(1, 65536), FGDN_ERROR_NOT_SUPPORTED, "65535 heads");
-  // 2^31 sequences (grid x is at most 2^31 - 1).
+  // 2^31 sequences, and 2^29 sequences of 4 value heads (the forward's grid x, one CTA per
+  // (sequence, value head), is at most 2^31 - 1).
   flashgdn::FwdArgs a = fake_forward(1, 1);
   a.in.cu_seqlens = make_tensor(reinterpret_cast<void*>(uintptr_t{1} << 40), FGDN_INT32,
                                 {(int64_t{1} << 31) + 1}, FGDN_CUDA, 0);
-  expect_query(a, FGDN_ERROR_NOT_SUPPORTED, "2^31 - 1 sequences");
+  expect_query(a, FGDN_ERROR_NOT_SUPPORTED, "2^31 - 1 (sequence, value head) pairs");
+  flashgdn::FwdArgs b = fake_forward(1, 4);
+  b.in.cu_seqlens = make_tensor(reinterpret_cast<void*>(uintptr_t{1} << 40), FGDN_INT32,
+                                {(int64_t{1} << 29) + 1}, FGDN_CUDA, 0);
+  expect_query(b, FGDN_ERROR_NOT_SUPPORTED, "2^31 - 1 (sequence, value head) pairs");
 }
 
 // The caller's workspace is written: 256-byte aligned and disjoint from every tensor. Refused

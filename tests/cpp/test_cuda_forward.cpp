@@ -1,4 +1,4 @@
-// The CUDA forward (csrc/cuda/) through the public C++ API on device tensors, against the
+// The CUDA forward (csrc/sm90/) through the public C++ API on device tensors, against the
 // float64 oracle (reference/) run on the same storage-rounded inputs, with the bounds of
 // cuda_check.h. Skips without a device.
 #include <gtest/gtest.h>
@@ -119,6 +119,25 @@ std::vector<ft::Spec> all_cases() {
     s.K = s.V = 64;
     add(s);
   }
+  // precision = high: the same kernels with split operands, at the rounding floor
+  {
+    ft::Spec s = with_h0(varlen_d("bf16_high_all_options_D128", {0, 0, 1, 65, 200, 330}, 2, 4, 128));
+    s.precision = FGDN_PRECISION_HIGH;
+    s.state_indices = true;
+    s.checkpoint_every = 64;
+    s.l2norm = true;
+    s.gate_in_kernel = true;
+    add(s);
+    s = with_h0(dense_d("fp16_high_T1000_Hq2_Hv4_D64", 2, 1000, 2, 4, 64, FGDN_FLOAT16));
+    s.precision = FGDN_PRECISION_HIGH;
+    add(s);
+    s = with_h0(dense_d("bf16_high_gva_16_64_T300_D128", 1, 300, 16, 64, 128));
+    s.precision = FGDN_PRECISION_HIGH;
+    add(s);
+    s = with_h0(dense_d("bf16_fast_T1000_Hq2_Hv8_D128", 1, 1000, 2, 8, 128));
+    s.precision = FGDN_PRECISION_FAST;
+    add(s);
+  }
   return v;
 }
 
@@ -142,18 +161,22 @@ TEST(CudaForward, VarlenWithoutHostSeqlens) {
 
 // Same inputs twice: bitwise identical outputs (no races, deterministic).
 TEST(CudaForward, Deterministic) {
+  // Same inputs 100 times: bitwise identical outputs (no races), both precision levels.
   if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
-  ft::Spec s = with_h0(varlen_d("det", {0, 5, 200, 300}, 2, 4, 128));
-  ft::Case c(s);
-  std::vector<unsigned char> first;
-  for (int rep = 0; rep < 2; ++rep) {
-    // the inputs, o and the final state; no host copy of cu_seqlens
-    flashgdn::FwdArgs fa = c.fwd_args();
-    ASSERT_NO_FATAL_FAILURE(ft::run_forward_on_device(c, fa, /*pass_host_seqlens=*/false));
-    std::vector<unsigned char> all = c.o.bytes;
-    all.insert(all.end(), c.ht.bytes.begin(), c.ht.bytes.end());
-    if (rep == 0) first = all;
-    else EXPECT_EQ(first, all) << "two runs on the same inputs differ";
+  for (fgdn_precision prec : {FGDN_PRECISION_DEFAULT, FGDN_PRECISION_HIGH}) {
+    ft::Spec s = with_h0(varlen_d("det", {0, 5, 200, 300, 1000}, 2, 4, 128));
+    s.precision = prec;
+    ft::Case c(s);
+    std::vector<unsigned char> first;
+    for (int rep = 0; rep < 100; ++rep) {
+      // the inputs, o and the final state; no host copy of cu_seqlens
+      flashgdn::FwdArgs fa = c.fwd_args();
+      ASSERT_NO_FATAL_FAILURE(ft::run_forward_on_device(c, fa, /*pass_host_seqlens=*/false));
+      std::vector<unsigned char> all = c.o.bytes;
+      all.insert(all.end(), c.ht.bytes.begin(), c.ht.bytes.end());
+      if (rep == 0) first = all;
+      else ASSERT_EQ(first, all) << "run " << rep << " differs from run 0 (precision " << prec << ")";
+    }
   }
 }
 

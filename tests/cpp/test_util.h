@@ -301,6 +301,7 @@ struct Spec {
   bool state_indices = false; // pool of N + 2 rows, permuted, the last sequence index -1
   bool v_first = false;
   int64_t checkpoint_every = 0;
+  fgdn_precision precision = FGDN_PRECISION_DEFAULT;  // forward
   bool strided = false;       // q, k, v, g, beta, d_o with padded (non-contiguous) strides
   fgdn_dtype cu_dt = FGDN_INT64;   // cu_seqlens
   fgdn_dtype idx_dt = FGDN_INT32;  // state_indices
@@ -548,6 +549,7 @@ struct Case {
     const int64_t BT = s.B * s.T, N = s.N();
     FwdArgs a;
     a.in = inputs();
+    a.precision = s.precision;
     o = HostBuffer(s.dt, BT * s.Hv * s.V);
     o.fill_bytes(0x7f);
     a.o = o.tensor({s.B, s.T, s.Hv, s.V});

@@ -144,6 +144,8 @@ std::vector<Case> cases() {
       {"'final_state'", "output_final_state is 0"});
   fwd("checkpoint_every_not_64", [](Fixture& f) { f.fa.checkpoint_every = 48; },
       {"'checkpoint_every'", "multiple of 64", "48"});
+  fwd("precision_unknown", [](Fixture& f) { f.fa.precision = 3; },
+      {"'precision'", "FGDN_PRECISION_HIGH (2)", "3"});
   fwd("checkpoints_too_few_rows", [](Fixture& f) {
         // Sequences of 30 and 40 tokens every 64: 0 rows needed; every 64 on a 70-token dense
         // problem: 1 row. Make it dense with B = 1 and give zero rows.

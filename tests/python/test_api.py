@@ -522,3 +522,16 @@ def test_no_tokens(varlen):
     assert torch.equal(dh0, dht)
     o, ht = chunk_gated_delta_rule(q, q, v, g, g, output_final_state=True, cu_seqlens=cu)
     assert ht.shape == (2, 4, 32, 32) and torch.all(ht == 0)
+
+
+def test_precision_keyword():
+    """precision selects the CUDA forward's arithmetic; the CPU backend takes every level (it
+    computes in float32 always) and refuses anything else, naming the argument."""
+    c = make_case(B=1, T=100, Hq=1, Hv=2, K=32, V=32, dtype=torch.bfloat16)
+    outs = [chunk_gated_delta_rule(*c.inputs(), precision=p)[0] for p in ("default", "fast", "high")]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for bad in ("turbo", 1, None):
+        with pytest.raises(ValueError, match="precision"):
+            chunk_gated_delta_rule(*c.inputs(), precision=bad)
+        with pytest.raises(ValueError, match="precision"):
+            chunk_gated_delta_rule_fwd(*c.inputs(), precision=bad)

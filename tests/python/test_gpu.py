@@ -378,3 +378,28 @@ def test_cuda_validation_writes_nothing():
         chunk_gated_delta_rule_fwd(c.q, c.k, c.v, c.g.cpu(), c.beta, o=o)
     torch.cuda.synchronize()
     assert torch.isnan(o.float()).all()
+
+
+# ---- precision levels of the CUDA forward ------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [(2, 8), (16, 64)], ids=lambda h: f"Hq{h[0]}-Hv{h[1]}")
+def test_precision_levels(heads):
+    """The same kernels at each level: "fast" (and "default") within the suite's bounds; "high"
+    within 1.5x the bf16 rounding floor for o (2.5e-3) and 1e-4 for the final state."""
+    c = make_case(lengths=PACK, Hq=heads[0], Hv=heads[1], K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    ref = oracle_forward(c)
+    errs = {}
+    for prec, bo, bs in (("default", 6e-3, 6e-3), ("fast", 6e-3, 6e-3), ("high", 2.5e-3, 1e-4)):
+        o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, precision=prec,
+                                              **c.lowlevel_kwargs())
+        torch.cuda.synchronize()
+        errs[prec] = (check("o", o, ref["o"], c, bo, context=prec),
+                      check("final_state", ht, ref["final_state"], c, bs, context=prec))
+    assert errs["high"][0] < errs["fast"][0], errs
+
+
+def test_precision_refused():
+    c = make_case(lengths=[70], Hq=1, Hv=1, K=64, V=64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="precision"):
+        chunk_gated_delta_rule(*c.inputs(), precision="turbo")

@@ -1,0 +1,68 @@
+// The Hopper forward kernel: wires the shared storage, the barriers and the warp roles.
+//
+//   WG 0 producer     --in_full-->   WG 1 chunk-local  --local_full-->  WG 2.. state
+//        ^                               |      ^                            |
+//        +-------------in_empty----------+------|----------------------------+
+//                                               +---------local_empty--------+
+//
+// in_full   : 1 arrival with the TMA byte count + 32 (gate loads)
+// in_empty  : 128 (chunk-local) + 128 per state warpgroup
+// local_full: 128 (chunk-local), local_empty: 128 per state warpgroup
+#pragma once
+
+#include "sm90/fwd_chunk_local.cuh"
+#include "sm90/fwd_load.cuh"
+#include "sm90/fwd_params.h"
+#include "sm90/fwd_scheduler.cuh"
+#include "sm90/fwd_smem.cuh"
+#include "sm90/fwd_state.cuh"
+
+namespace flashgdn::sm90 {
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_constant__ FwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Aligned to 1024 by pointer arithmetic on the __shared__ array itself (not through an integer),
+  // so that the compiler still knows every access below is to shared memory (LDS/STS, not
+  // generic loads).
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<FwdSmem<Tr>*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int tid = threadIdx.x & 127;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Tr::kInStages; ++s) {
+      sm.in_full[s].init(1 + 32);
+      sm.in_empty[s].init(128 * (1 + Tr::kStateWGs));
+    }
+    for (int s = 0; s < Tr::kLocalStages; ++s) {
+      sm.local_full[s].init(128);
+      sm.local_empty[s].init(128 * Tr::kStateWGs);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Each role derives its work item after taking its register budget (a value computed before
+  // the split would have to survive the producer's 24 registers).
+  if (wg == 0) {
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    const WorkItem w = fwd_work_item(p);
+    const int warp = tid >> 5;
+    if (warp == 0) {
+      if ((tid & 31) == 0) fwd_load_tiles<Tr>(p, sm, w);
+    } else if (warp == 1) {
+      fwd_load_gates<Tr>(p, sm, w, tid & 31);
+    }
+  } else if (wg == 1) {
+    if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();
+    else setmaxnreg_dec<Tr::kLocalRegs>();
+    fwd_chunk_local<Tr>(p, sm, fwd_work_item(p), tid);
+  } else {
+    setmaxnreg_inc<Tr::kStateRegs>();
+    fwd_state<Tr>(p, sm, fwd_work_item(p), wg - 2, tid);
+  }
+#endif
+}
+
+}  // namespace flashgdn::sm90

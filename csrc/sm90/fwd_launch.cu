@@ -1,0 +1,162 @@
+// Host side of the Hopper forward: workspace, kernel parameters from the validated Problem, and
+// the dispatch over (head dim, operand type, precision). One CTA per (sequence, value head).
+#include "sm90/fwd_launch.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "common/dtype.h"
+#include "cuda/chunk_index.cuh"
+#include "cuda/device_utils.cuh"
+#include "sm90/fwd_instantiate.h"
+#include "sm90/tma.h"
+
+namespace flashgdn::sm90 {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Workspace layout: [checkpoint row offsets (varlen with checkpoints)] [packed q] [packed k]
+// [packed v] (the packed copies only for tensors TMA cannot address as they are).
+struct Workspace {
+  size_t ckpt = 0, q = 0, k = 0, v = 0, total = 0;
+};
+
+Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
+  Workspace w;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  const bool tokens = p.B * p.T > 0;
+  w.ckpt = take(p.varlen && p.checkpoint_every > 0 ? static_cast<size_t>(p.N) * sizeof(int64_t) : 0);
+  w.q = take(tokens && !tile_map_direct(a.in.q) ? tile_map_packed_bytes(a.in.q) : 0);
+  w.k = take(tokens && !tile_map_direct(a.in.k) ? tile_map_packed_bytes(a.in.k) : 0);
+  w.v = take(tokens && !tile_map_direct(a.in.v) ? tile_map_packed_bytes(a.in.v) : 0);
+  w.total = off;
+  return w;
+}
+
+// Contiguous [B, T, H, D] copy of a strided tensor (16-byte vectors along D).
+__global__ void pack_rows_kernel(const uint16_t* src, int64_t s0, int64_t s1, int64_t s2, int64_t T,
+                                 int64_t H, int64_t D, int64_t rows, uint16_t* dst) {
+  const int64_t vec = D / 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * vec;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / vec, c = (i % vec) * 8;
+    const int64_t b = r / (T * H), t = (r / H) % T, h = r % H;
+    *reinterpret_cast<uint4*>(dst + r * D + c) =
+        *reinterpret_cast<const uint4*>(src + b * s0 + t * s1 + h * s2 + c);
+  }
+}
+
+TileMap tile_map(const fgdn_tensor& t, char* ws, size_t at, cudaStream_t stream) {
+  if (tile_map_direct(t)) return make_tile_map(t);
+  void* dst = ws + at;
+  const int64_t rows = t.shape[0] * t.shape[1] * t.shape[2];
+  const int64_t n = rows * (t.shape[3] / 8);
+  const int blocks = static_cast<int>(n / 256 + 1 < 4096 ? n / 256 + 1 : 4096);
+  pack_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(t.data), t.strides[0],
+                                               t.strides[1], t.strides[2], t.shape[1], t.shape[2],
+                                               t.shape[3], rows, static_cast<uint16_t*>(dst));
+  FGDN_CHECK_LAUNCH("pack_rows_kernel");
+  return make_tile_map(t, dst);
+}
+
+StateRef state_ref(const fgdn_tensor& t) {
+  StateRef s;
+  s.data = t.data;
+  s.dtype = t.dtype;
+  s.s0 = t.strides[0];
+  s.s1 = t.strides[1];
+  s.s2 = t.strides[2];
+  s.s3 = t.strides[3];
+  return s;
+}
+
+}  // namespace
+
+void require_sm90(int device_id) {
+  int major = 0, minor = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id));
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id));
+  if (major != 9 || minor != 0)
+    throw NotSupported("flashgdn: the CUDA backend runs on Hopper GPUs (compute capability 9.0, "
+                       "sm_90a); cuda:" + std::to_string(device_id) + " has compute capability " +
+                       std::to_string(major) + "." + std::to_string(minor));
+}
+
+size_t forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) { return plan(p, a).total; }
+
+void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* workspace,
+             cudaStream_t stream) {
+  if (p.N == 0) return;
+  const Workspace wl = plan(p, a);
+  char* ws = static_cast<char*>(workspace);
+  FwdParams fp{};
+  fp.seq = cuda::make_seq_layout(p, a.in);
+  fp.Hv = p.Hv;
+  fp.group = p.group;
+  if (p.B * p.T > 0) {
+    const TileMap mq = tile_map(a.in.q, ws, wl.q, stream);
+    const TileMap mk = tile_map(a.in.k, ws, wl.k, stream);
+    const TileMap mv = tile_map(a.in.v, ws, wl.v, stream);
+    fp.tma_q = mq.map;
+    fp.tma_k = mk.map;
+    fp.tma_v = mv.map;
+    fp.order_q = mq.order;
+    fp.order_k = mk.order;
+    fp.order_v = mv.order;
+  }
+  fp.g = a.in.g.data;
+  fp.g_dtype = a.in.g.dtype;
+  fp.gs0 = a.in.g.strides[0];
+  fp.gs1 = a.in.g.strides[1];
+  fp.gs2 = a.in.g.strides[2];
+  fp.beta = a.in.beta.data;
+  fp.beta_dtype = a.in.beta.dtype;
+  fp.bs0 = a.in.beta.strides[0];
+  fp.bs1 = a.in.beta.strides[1];
+  fp.bs2 = a.in.beta.strides[2];
+  fp.gate_in_kernel = p.gate_in_kernel ? 1 : 0;
+  fp.A_log = p.gate_in_kernel ? static_cast<const float*>(a.in.A_log.data) : nullptr;
+  fp.dt_bias = p.gate_in_kernel && p.has_dt_bias ? static_cast<const float*>(a.in.dt_bias.data) : nullptr;
+  fp.l2norm = p.l2norm ? 1 : 0;
+  fp.scale = p.scale;
+  fp.o = a.o.data;
+  fp.os0 = a.o.strides[0];
+  fp.os1 = a.o.strides[1];
+  fp.os2 = a.o.strides[2];
+  fp.v_first = p.state_v_first ? 1 : 0;
+  if (p.has_initial_state) fp.h0 = state_ref(a.in.initial_state);
+  fp.state_idx = p.has_state_indices ? a.in.state_indices.data : nullptr;
+  fp.state_idx_dtype = p.has_state_indices ? a.in.state_indices.dtype : FGDN_INT64;
+  fp.write_final = p.output_final_state ? 1 : 0;
+  if (p.output_final_state && !p.has_state_indices) fp.ht = state_ref(a.final_state);
+  if (p.checkpoint_every > 0) {
+    fp.ckpt = state_ref(a.checkpoints);
+    fp.every = p.checkpoint_every;
+    if (p.varlen) {
+      auto* offs = reinterpret_cast<int64_t*>(ws + wl.ckpt);
+      cuda::launch_checkpoint_offsets(fp.seq, fp.every, offs, stream);
+      fp.ckpt_offset = offs;
+    }
+  }
+
+  const int64_t items = p.N * p.Hv;
+  const bool bf16 = p.qkv_dtype == FGDN_BFLOAT16;
+  if (p.K == 128) {
+    if (bf16) launch_fwd<128, __nv_bfloat16>(fp, prec, items, stream);
+    else launch_fwd<128, __half>(fp, prec, items, stream);
+  } else {
+    if (bf16) launch_fwd<64, __nv_bfloat16>(fp, prec, items, stream);
+    else launch_fwd<64, __half>(fp, prec, items, stream);
+  }
+}
+
+}  // namespace flashgdn::sm90

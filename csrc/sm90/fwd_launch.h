@@ -1,0 +1,23 @@
+// The Hopper forward, as the CUDA backend calls it (after validation).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "api/validate.h"
+#include "common/problem.h"
+#include "flashgdn/flashgdn.h"
+#include "sm90/fwd_traits.cuh"
+
+namespace flashgdn::sm90 {
+
+// Throws NotSupported unless the device is a Hopper GPU (compute capability 9.0).
+void require_sm90(int device_id);
+
+size_t forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a);
+// workspace: forward_workspace_bytes(p, a) bytes of device memory (may be null when that is 0).
+void forward(const Problem& p, const fgdn_fwd_args& a, Precision precision, void* workspace,
+             cudaStream_t stream);
+
+}  // namespace flashgdn::sm90

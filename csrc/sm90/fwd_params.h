@@ -1,0 +1,59 @@
+// Kernel parameters of the Hopper forward (host and device). Filled by fwd_launch.cu from the
+// validated Problem; passed by value as a __grid_constant__ so the TMA descriptors stay in
+// parameter space.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/chunk_index.cuh"
+#include "sm90/tma.h"
+
+namespace flashgdn::sm90 {
+
+// A state tensor [rows, Hv, K, V] (or [rows, Hv, V, K] with v_first): element (row, h, k, v) at
+// row * s0 + h * s1 + (v_first ? v * s2 + k * s3 : k * s2 + v * s3). data == nullptr: absent.
+struct StateRef {
+  void* data = nullptr;
+  int32_t dtype = FGDN_FLOAT32;  // fp32 | bf16 | fp16
+  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+};
+
+struct FwdParams {
+  // q, k: [B, T, Hq, K] and v: [B, T, Hv, V] as 4-D TMA maps (dims innermost first: D, H, T, B),
+  // box 64 x 1 x 64 x 1, 128-byte swizzle; out-of-range rows read as zero.
+  CUtensorMap tma_q, tma_k, tma_v;
+  TileMapOrder order_q, order_k, order_v;
+
+  cuda::SeqLayout seq;  // N sequences: dense B x T, or varlen cu_seqlens
+  int64_t Hv = 0, group = 1;  // value head h reads q/k head h / group
+
+  // g, beta: [B, T, Hv] (fp32 | bf16), element strides.
+  const void* g = nullptr;
+  const void* beta = nullptr;
+  int32_t g_dtype = FGDN_FLOAT32, beta_dtype = FGDN_FLOAT32;
+  int64_t gs0 = 0, gs1 = 0, gs2 = 0, bs0 = 0, bs1 = 0, bs2 = 0;
+  // gate in kernel: g is the activation a; gate = -exp(A_log[h]) * softplus(a + dt_bias[h]).
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;  // nullptr: 0
+  int32_t gate_in_kernel = 0;
+  int32_t l2norm = 0;
+  float scale = 1.f;
+
+  // o: [B, T, Hv, V], dtype of q, element strides.
+  void* o = nullptr;
+  int64_t os0 = 0, os1 = 0, os2 = 0;
+
+  int32_t v_first = 0;
+  StateRef h0;                     // initial state, or the pool with state_idx
+  const void* state_idx = nullptr; // [N] int32 | int64: pool row per sequence (< 0: none)
+  int32_t state_idx_dtype = FGDN_INT64;
+  int32_t write_final = 0;         // write S_T into ht (or, with state_idx, the pool row)
+  StateRef ht;
+  StateRef ckpt;                   // checkpoints (data nullptr: none)
+  int64_t every = 0;               // checkpoint_every
+  const int64_t* ckpt_offset = nullptr;  // varlen: first checkpoint row per sequence [N]
+};
+
+}  // namespace flashgdn::sm90

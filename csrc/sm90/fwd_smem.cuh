@@ -1,0 +1,64 @@
+// The shared-memory plan of the Hopper forward: one struct, every tile 1024-byte aligned (the
+// 128-byte swizzle repeats every 8 rows of 128 bytes, and TMA and wgmma both assume the tile
+// starts on a swizzle block).
+#pragma once
+
+#include <cstddef>
+
+#include "sm90/fwd_traits.cuh"
+#include "sm90/ptx.cuh"
+
+namespace flashgdn::sm90 {
+
+template <class Tr>
+struct FwdSmem {
+  using Tin = typename Tr::Tin;
+  static constexpr int kBlocks = Tr::kBlocks;
+
+  // One chunk's raw inputs, written by the producer (TMA + gate loads).
+  struct alignas(1024) InStage {
+    // Column block b of Q (rows 0..63) and K (rows 64..127): stacking them lets one wgmma of
+    // width 128 compute S^T [Q; K]^T. Rows past the chunk are zeroed by the chunk-local role.
+    Tin qk[kBlocks][128][64];
+    // Column block b of V: state warpgroup b reads only its own, and once Y is formed it stages
+    // its output tile there ([64 tokens][64 values]) before the stage is released.
+    Tin v[kBlocks][64][64];
+    float g_raw[64];         // g (or the activation a with gate_in_kernel)
+    float beta_raw[64];
+  };
+
+  // One chunk's local results, written by the chunk-local role for the state warpgroups.
+  struct alignas(1024) LocalStage {
+    Tin t[Tr::kLocalParts][64][64];  // T = (I + A)^-1, [i][j] (hi, lo)
+    Tin p[Tr::kLocalParts][64][64];  // P = scale lower(Q K^T (.) D) with the norm factors, [i][j]
+    // Per-token factors (zero for tokens past the chunk):
+    float ykf[64];  // exp(c_t) fk_t          : Y = beta (V - ykf (.) K S)
+    float yb[64];   // beta_t
+    float of[64];   // scale fq_t exp(c_t)    : O = of (.) Q S + P Vn
+    float vd[64];   // exp(c_C - c_t) fk_t    : S <- exp(c_C) S + K^T (vd (.) Vn)
+    float decay;    // exp(c_C)
+  };
+
+  InStage in[Tr::kInStages];
+  LocalStage local[Tr::kLocalStages];
+
+  // Chunk-local role's private work space.
+  alignas(16) float af[64][68];  // A (strictly lower); its upper triangle holds the inverse's
+                                 // intermediate products
+  alignas(16) float tf[64][68];  // T in fp32 while it is built
+  float c[64];                   // in-chunk cumulative gate
+  float beta[64];
+  float fq[64], fk[64];          // per-token factors of the stored q / k rows (norm, scaling)
+  int32_t rare[128];             // q rows 0..63, k rows 64..127: sums of squares that overflow
+
+  Mbarrier in_full[Tr::kInStages], in_empty[Tr::kInStages];
+  Mbarrier local_full[Tr::kLocalStages], local_empty[Tr::kLocalStages];
+};
+
+// Dynamic shared memory the kernel asks for: the struct plus room to align its start to 1024.
+template <class Tr>
+constexpr size_t fwd_smem_bytes() {
+  return sizeof(FwdSmem<Tr>) + 1024;
+}
+
+}  // namespace flashgdn::sm90

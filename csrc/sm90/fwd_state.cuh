@@ -1,0 +1,228 @@
+// State role of the Hopper forward (warpgroups 2..): the recurrence across chunks. Warpgroup sw
+// owns value columns [64 sw, 64 sw + 64) of S, held transposed (S^T: 64 rows x D, fp32, in
+// wgmma accumulator layout). The value columns of S evolve independently, so the state
+// warpgroups never wait for each other. Per chunk, with the chunk-local results T, P and the
+// per-token factors of fwd_smem.cuh (every product a wgmma whose A operand is an accumulator
+// converted in registers, B the chunk's tiles in shared memory):
+//
+//   [O1 | X]^T = S^T [Q; K]^T                       (one 64 x 128 product: Q S and K S)
+//   Y^T  = yb (.) (V^T - ykf (.) X^T)               (per-token factors along the columns)
+//   Vn^T = Y^T T^T                                  (Vn = T diag(beta)(V - diag(e^c fk) K S))
+//   S^T <- decay S^T + (vd (.) Vn^T) K              (B = the K tile read MN-major)
+//   O^T  = of (.) O1^T + Vn^T P^T                   -> o
+#pragma once
+
+#include "sm90/fwd_epilogue.cuh"
+#include "sm90/fwd_chunk_local.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace flashgdn::sm90 {
+
+// A fragments of k-step s (16 columns) of a 64 x 64 accumulator block `x` (32 floats): its
+// accumulator tiles 2 s and 2 s + 1, each column t scaled by colf[t] (colf: per-token factors in
+// shared memory; nullptr: 1).
+template <typename T, bool kSplit>
+__device__ __forceinline__ void to_fragments(const float* x, int s, const float* colf,
+                                             uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int jj = 2 * s + c;
+    float2 f = make_float2(1.f, 1.f);
+    if (colf != nullptr) f = *reinterpret_cast<const float2*>(&colf[8 * jj + 2 * q]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = 4 * jj + 2 * i;
+      split_pair<T, kSplit>(x[idx] * f.x, x[idx + 1] * f.y, hi[2 * c + i], lo[2 * c + i]);
+    }
+  }
+}
+
+// A fragments of k-step s of the state block S[blk] (64 x 64): part 0 its hi half, part 1 its
+// lo half (split state only).
+template <typename T, bool kSplit>
+__device__ __forceinline__ void state_fragments(const float (&x)[32], int s, int part, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = 4 * (2 * s + c) + 2 * i;
+      uint32_t hi, lo;
+      split_pair<T, kSplit>(x[idx], x[idx + 1], hi, lo);
+      a[2 * c + i] = part == 0 ? hi : lo;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t r) {
+  if constexpr (WgmmaType<T>::kBf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
+
+template <class Tr>
+__device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
+                                          int sw, int tid) {
+  using Tin = typename Tr::Tin;
+  constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
+  constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
+  const int warp = tid >> 5, lane = tid & 31, q4 = lane & 3;
+
+  // ---- initial state ---------------------------------------------------------------------
+  int64_t h0_row = -1;
+  if (p.h0.data != nullptr)
+    h0_row = p.state_idx != nullptr ? cuda::load_index(p.state_idx, p.state_idx_dtype, w.n) : w.n;
+  float S[kB][32];
+  load_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
+  int64_t ck_base = 0;
+  if (p.ckpt.data != nullptr)
+    ck_base = p.ckpt_offset != nullptr ? p.ckpt_offset[w.n] : w.n * (p.seq.T / p.every);
+
+  for (int32_t j = 0; j < w.nchunks; ++j) {
+    const RingPos<Tr::kInStages> pin(j);
+    const RingPos<Tr::kLocalStages> ploc(j);
+    auto& in = sm.in[pin.stage];
+    auto& loc = sm.local[ploc.stage];
+    const int len = w.chunk_len(j);
+    sm.in_full[pin.stage].wait(pin.phase);
+    sm.local_full[ploc.stage].wait(ploc.phase);
+
+    // ---- [O1 | X]^T = S^T [Q; K]^T (a split state: the hi part's products, then the lo part's,
+    // so that only one set of A fragments is live) ------------------------------------------
+    float o1[32] = {}, xk[32] = {};
+#pragma unroll
+    for (int part = 0; part < (kSS ? 2 : 1); ++part) {
+      // The lo fragments only after the hi part's products are done: one set live at a time.
+      if (part > 0) {
+#pragma unroll
+        for (int blk = 0; blk < kB; ++blk) fence_regs(S[blk]);
+      }
+      uint32_t sa[kKSteps][4];
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) state_fragments<Tin, kSS>(S[ks >> 2], ks & 3, part, sa[ks]);
+      // Descriptors formed anew for each part (not kept live across the other part's products).
+      uint32_t qk_base = smem_addr(&in.qk[0][0][0]);
+      asm volatile("" : "+r"(qk_base));
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const uint64_t d = desc_k_major(qk_base + (ks >> 2) * sizeof(in.qk[0]) + (ks & 3) * 32);
+        wgmma_rs_n128<Tin, 0>(o1, xk, sa[ks], d, part > 0 || ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o1);
+      fence_regs(xk);
+    }
+
+    // ---- Y^T = yb (.) (V^T - ykf (.) X^T), zero past the chunk (select: V there is another
+    // sequence's data); O1^T *= of --------------------------------------------------------
+    {
+      const uint32_t vbase = smem_addr(&in.v[sw][0][0]);
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {
+        uint32_t r[4];
+        const int m = lane >> 3;
+        const uint32_t t = 8 * (2 * jp + (m >> 1)) + (lane & 7);
+        ldmatrix_x4_trans(r, vbase + swizzle128(t, 2 * warp + (m & 1)));
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) {
+          const int i = mm & 1, jj = 2 * jp + (mm >> 1);
+          const float2 vv = unpack2<Tin>(r[mm]);
+          const int idx = 4 * jj + 2 * i, t0 = 8 * jj + 2 * q4;
+          const float2 f = *reinterpret_cast<const float2*>(&loc.ykf[t0]);
+          const float2 b = *reinterpret_cast<const float2*>(&loc.yb[t0]);
+          xk[idx] = t0 < len ? b.x * (vv.x - f.x * xk[idx]) : 0.f;
+          xk[idx + 1] = t0 + 1 < len ? b.y * (vv.y - f.y * xk[idx + 1]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float2 f = *reinterpret_cast<const float2*>(&loc.of[8 * jj + 2 * q4]);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) o1[4 * jj + x] *= (x & 1) ? f.y : f.x;
+      }
+    }
+
+    // ---- Vn^T = Y^T T^T --------------------------------------------------------------------
+    float vn[32] = {};
+    {
+      uint32_t ya[4][4], yl[4][4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) to_fragments<Tin, kSL>(xk, s, nullptr, ya[s], yl[s]);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint64_t dt = desc_k_major(smem_addr(&loc.t[0][0][0]) + s * 32);
+        wgmma_rs_n64<Tin, 0>(vn, ya[s], dt, s > 0);
+        if constexpr (kSL) {
+          wgmma_rs_n64<Tin, 0>(vn, yl[s], dt, 1);
+          wgmma_rs_n64<Tin, 0>(vn, ya[s], desc_k_major(smem_addr(&loc.t[kSL ? 1 : 0][0][0]) + s * 32), 1);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(vn);
+    }
+
+    // ---- S^T <- decay S^T + (vd (.) Vn^T) K;  O^T = O1^T + Vn^T P^T -----------------------
+    {
+      uint32_t na[4][4], nl[4][4], da[4][4], dl[4][4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        to_fragments<Tin, kSL>(vn, s, nullptr, na[s], nl[s]);
+        to_fragments<Tin, kSL>(vn, s, loc.vd, da[s], dl[s]);
+      }
+      const float decay = loc.decay;
+#pragma unroll
+      for (int blk = 0; blk < kB; ++blk)
+#pragma unroll
+        for (int x = 0; x < 32; ++x) S[blk][x] *= decay;
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        // K rows 16 s .. 16 s + 15 of the chunk, read MN-major: N = the key index (D).
+        const uint64_t dk = desc_mn_major(smem_addr(&in.qk[0][64 + 16 * s][0]), sizeof(in.qk[0]));
+        if constexpr (kB == 2) {
+          wgmma_rs_n128<Tin, 1>(S[0], S[kB - 1], da[s], dk, 1);
+          if constexpr (kSL) wgmma_rs_n128<Tin, 1>(S[0], S[kB - 1], dl[s], dk, 1);
+        } else {
+          wgmma_rs_n64<Tin, 1>(S[0], da[s], dk, 1);
+          if constexpr (kSL) wgmma_rs_n64<Tin, 1>(S[0], dl[s], dk, 1);
+        }
+        const uint64_t dp = desc_k_major(smem_addr(&loc.p[0][0][0]) + s * 32);
+        wgmma_rs_n64<Tin, 0>(o1, na[s], dp, 1);
+        if constexpr (kSL) {
+          wgmma_rs_n64<Tin, 0>(o1, nl[s], dp, 1);
+          wgmma_rs_n64<Tin, 0>(o1, na[s], desc_k_major(smem_addr(&loc.p[kSL ? 1 : 0][0][0]) + s * 32), 1);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int blk = 0; blk < kB; ++blk) fence_regs(S[blk]);
+      fence_regs(o1);
+    }
+    // T, P and the factors are consumed; the input stage after the output has left through it
+    // (the stmatrix writes are ordered before the producer's next TMA into the stage).
+    sm.local_empty[ploc.stage].arrive();
+    if (p.o != nullptr) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid);
+    fence_proxy_async();
+    sm.in_empty[pin.stage].arrive();
+    if (p.ckpt.data != nullptr) {
+      const int64_t done = 64 * (j + 1);
+      if (done <= w.len && done % p.every == 0)
+        store_state(S, p.ckpt, ck_base + done / p.every - 1, w.h, p.v_first, sw, tid);
+    }
+  }
+
+  // ---- final state ------------------------------------------------------------------------
+  if (p.write_final) {
+    if (p.state_idx != nullptr) {
+      if (h0_row >= 0) store_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
+    } else if (p.ht.data != nullptr) {
+      store_state(S, p.ht, w.n, w.h, p.v_first, sw, tid);
+    }
+  }
+}
+
+}  // namespace flashgdn::sm90

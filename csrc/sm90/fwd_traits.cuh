@@ -1,0 +1,65 @@
+// Compile-time configuration of the Hopper forward: tile sizes, pipeline depths, warp roles and
+// their register budgets, and the precision policy.
+#pragma once
+
+#include <cstdint>
+
+namespace flashgdn::sm90 {
+
+// Which operands are carried as two 16-bit halves (x = hi + lo, |lo| <= 2^-8 |x| for bf16) so
+// that their products keep ~16 bits instead of 8. Each split doubles the wgmmas of its product.
+//   kFast : every operand one 16-bit value (as the peers do): o within the peers' error.
+//   kHigh : every computed operand split (S, Y, Vn, Vd on the A side, T and P on the B side):
+//           the chunk math keeps ~fp32 accuracy and o lands at the bf16 rounding floor.
+// (Splitting S alone was measured: o 3.4-3.5e-3 against 3.7-3.9e-3 for kFast, bench/NOTES.md.)
+enum class Precision : int { kFast = 0, kHigh = 1 };
+
+template <int kD_, typename Tin_, Precision kPrecision_>
+struct FwdTraits {
+  using Tin = Tin_;                  // q, k, v and the tensor-core operand type (bf16 | fp16)
+  static constexpr int kD = kD_;     // K = V head dimension
+  static constexpr int kChunk = 64;  // tokens per chunk
+  static constexpr int kBlocks = kD / 64;  // 64-element (128-byte) column blocks of a row
+  static_assert(kD == 64 || kD == 128, "head dims K = V in {64, 128}");
+
+  // Warp roles, one warpgroup (128 threads) each:
+  //   WG 0      producer: warp 0 issues the TMA tile loads, warp 1 the per-token gate loads
+  //   WG 1      chunk-local: gates, norms, K K^T, Q K^T, T = (I + A)^-1; runs ahead of the state
+  //   WG 2 ..   state: each owns 64 rows (value columns) of the transposed state S^T
+  static constexpr int kStateWGs = kD / 64;
+  static constexpr int kThreads = 128 * (2 + kStateWGs);
+
+  static constexpr Precision kPrecision = kPrecision_;
+  static constexpr bool kSplitState = kPrecision == Precision::kHigh;
+  static constexpr bool kSplitLocal = kPrecision == Precision::kHigh;
+  static constexpr int kLocalParts = kSplitLocal ? 2 : 1;  // T and P: hi (+ lo)
+
+  // Ring depths: raw chunk inputs (TMA) and chunk-local results. Three input stages let the TMA
+  // for chunk j + 2 fly while the chunk-local role works on j + 1 and the state on j; the split
+  // T and P of kHigh leave room for two at D = 128.
+  static constexpr int kInStages = (kD == 128 && kSplitLocal) ? 2 : 3;
+  static constexpr int kLocalStages = 2;
+
+  // Registers per thread by role (setmaxnreg). The CTA starts with 65536 / kThreads registers a
+  // thread (128 at D = 128, 168 at D = 64) and the budgets must add up to no more than that, or
+  // setmaxnreg.inc waits forever: 24 + 88 + 2 x 200 = 512 = 4 x 128; 24 + 240 + 240 = 504 = 3 x 168.
+  // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
+  // fragments (D/4); the chunk-local one a 64 x 64 accumulator and small tiles of the inverse.
+  static constexpr uint32_t kProducerRegs = 24;
+  static constexpr uint32_t kLocalRegs = kD == 128 ? 88 : 240;
+  static constexpr uint32_t kStateRegs = kD == 128 ? 200 : 240;
+  static constexpr uint32_t kEntryRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(kProducerRegs + kLocalRegs + kStateWGs * kStateRegs <= kEntryRegs * (2 + kStateWGs),
+                "register budgets exceed the CTA's registers");
+
+  // Bytes one chunk's TMA loads bring: Q and K (64 x D each) and V (64 x D).
+  static constexpr uint32_t kTmaBytes = 3u * 64u * kD * 2u;
+};
+
+// Named barrier ids (0 is __syncthreads).
+enum class FwdBarrier : uint32_t {
+  kChunkLocal = 1,  // the chunk-local warpgroup's phases
+  kStateBase = 2,   // + state warpgroup index: its output staging
+};
+
+}  // namespace flashgdn::sm90

@@ -1,0 +1,112 @@
+// Thin wrappers of the sm_90a PTX the Hopper kernels use: mbarriers, the TMA tile copy, proxy
+// fences, named barriers, register reallocation, ldmatrix/stmatrix. One instruction each, named
+// as in the PTX ISA, so the kernels read like the protocol they implement. (Why not CuTe: see
+// docs/design.md, "Why thin PTX wrappers".)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashgdn::sm90 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier ------------------------------------------------------------------------------
+// A 64-bit barrier in shared memory that completes a phase when `count` arrivals (and, with
+// expect_tx, that many bytes of TMA traffic) have been seen. Waiters poll a phase parity.
+struct alignas(8) Mbarrier {
+  uint64_t word;
+
+  __device__ __forceinline__ void init(uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(this)), "r"(count));
+  }
+  __device__ __forceinline__ void arrive() {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(this)) : "memory");
+  }
+  // One arrival that also announces `bytes` of TMA transactions for the current phase.
+  __device__ __forceinline__ void arrive_expect_tx(uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(this)),
+                 "r"(bytes)
+                 : "memory");
+  }
+  // Blocks until the phase with the given parity has completed.
+  __device__ __forceinline__ void wait(uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(smem_addr(this)),
+        "r"(parity)
+        : "memory");
+  }
+};
+
+// Makes mbarrier.init visible to the async proxy (TMA) before the first use.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
+// (wgmma operands, TMA stores) of the same memory.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------------------
+__device__ __forceinline__ void prefetch_tensormap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A 4-D tile from global memory into shared memory, completing on `bar`. Coordinates are in
+// elements, innermost dimension first.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* map, Mbarrier* bar, int32_t c0,
+                                            int32_t c1, int32_t c2, int32_t c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// ---- named barriers and register reallocation ----------------------------------------------
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ---- 8x8 matrix moves between shared memory and the mma fragment layout --------------------
+// Lane l supplies the row address of row l % 8 of matrix l / 8. With .trans, a thread receives
+// (stores) the transposed fragment: element (row 2 (lane % 4) + e, column lane / 4) of the
+// 8x8 matrix in memory.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// ---- the 128-byte swizzle ------------------------------------------------------------------
+// TMA's SWIZZLE_128B and wgmma's 128B layout: in each 1024-byte block of eight 128-byte rows,
+// the 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Byte offset of (row, chunk).
+__device__ __forceinline__ uint32_t swizzle128(uint32_t row, uint32_t chunk) {
+  return row * 128u + ((chunk ^ (row & 7u)) << 4);
+}
+
+}  // namespace flashgdn::sm90
