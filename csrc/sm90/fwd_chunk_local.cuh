@@ -132,6 +132,19 @@ __device__ __forceinline__ int named_barrier_or(uint32_t id, uint32_t threads, i
 // K K^T): 2^100.
 constexpr float kSumsqLimit = 1.2676506e30f;
 
+// acc[u] += a * b[u] for kN consecutive floats of a 16-byte aligned shared-memory row.
+template <int kN>
+__device__ __forceinline__ void fma_row(float (&acc)[kN], float a, const float* b) {
+#pragma unroll
+  for (int u = 0; u < kN; u += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(b + u);
+    acc[u] = fmaf(a, v.x, acc[u]);
+    acc[u + 1] = fmaf(a, v.y, acc[u + 1]);
+    acc[u + 2] = fmaf(a, v.z, acc[u + 2]);
+    acc[u + 3] = fmaf(a, v.w, acc[u + 3]);
+  }
+}
+
 // T = (I + A)^-1 for the strictly lower fp32 A in sm.af, into sm.tf (whose blocks above the
 // block diagonal are zero). 128 threads; `tid` in [0, 128). Block notation: 16 x 16 blocks.
 //   phase 1: T_bb = (I + A_bb)^-1 by forward substitution, one column per thread (64 threads)
@@ -169,26 +182,12 @@ __device__ __forceinline__ void invert_unit_lower(Smem& sm, int tid) {
     const int b1 = 2 * m + 1, b0 = 2 * m;
     float x[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const float a = sm.af[16 * b1 + r][16 * b0 + k];
-      const float4 t = *reinterpret_cast<const float4*>(&sm.tf[16 * b0 + k][16 * b0 + c0]);
-      x[0] = fmaf(a, t.x, x[0]);
-      x[1] = fmaf(a, t.y, x[1]);
-      x[2] = fmaf(a, t.z, x[2]);
-      x[3] = fmaf(a, t.w, x[3]);
-    }
+    for (int k = 0; k < 16; ++k) fma_row(x, sm.af[16 * b1 + r][16 * b0 + k], &sm.tf[16 * b0 + k][16 * b0 + c0]);
     *reinterpret_cast<float4*>(&sm.af[16 * b0 + r][16 * b1 + c0]) = make_float4(x[0], x[1], x[2], x[3]);
     named_barrier_sync(kBar, 128);
     float y[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const float t = sm.tf[16 * b1 + r][16 * b1 + k];
-      const float4 xk = *reinterpret_cast<const float4*>(&sm.af[16 * b0 + k][16 * b1 + c0]);
-      y[0] = fmaf(t, xk.x, y[0]);
-      y[1] = fmaf(t, xk.y, y[1]);
-      y[2] = fmaf(t, xk.z, y[2]);
-      y[3] = fmaf(t, xk.w, y[3]);
-    }
+    for (int k = 0; k < 16; ++k) fma_row(y, sm.tf[16 * b1 + r][16 * b1 + k], &sm.af[16 * b0 + k][16 * b1 + c0]);
     *reinterpret_cast<float4*>(&sm.tf[16 * b1 + r][16 * b0 + c0]) = make_float4(-y[0], -y[1], -y[2], -y[3]);
   }
   named_barrier_sync(kBar, 128);
@@ -199,19 +198,7 @@ __device__ __forceinline__ void invert_unit_lower(Smem& sm, int tid) {
     for (int u = 0; u < 8; ++u) x[u] = 0.f;
     // T_LL[k][c] = 0 for k < c: start at the thread's first column.
 #pragma unroll 4
-    for (int k = c0; k < 32; ++k) {
-      const float a = sm.af[32 + r][k];
-      const float4 t0 = *reinterpret_cast<const float4*>(&sm.tf[k][c0]);
-      const float4 t1 = *reinterpret_cast<const float4*>(&sm.tf[k][c0 + 4]);
-      x[0] = fmaf(a, t0.x, x[0]);
-      x[1] = fmaf(a, t0.y, x[1]);
-      x[2] = fmaf(a, t0.z, x[2]);
-      x[3] = fmaf(a, t0.w, x[3]);
-      x[4] = fmaf(a, t1.x, x[4]);
-      x[5] = fmaf(a, t1.y, x[5]);
-      x[6] = fmaf(a, t1.z, x[6]);
-      x[7] = fmaf(a, t1.w, x[7]);
-    }
+    for (int k = c0; k < 32; ++k) fma_row(x, sm.af[32 + r][k], &sm.tf[k][c0]);
     *reinterpret_cast<float4*>(&sm.af[r][32 + c0]) = make_float4(x[0], x[1], x[2], x[3]);
     *reinterpret_cast<float4*>(&sm.af[r][36 + c0]) = make_float4(x[4], x[5], x[6], x[7]);
     named_barrier_sync(kBar, 128);
@@ -220,19 +207,7 @@ __device__ __forceinline__ void invert_unit_lower(Smem& sm, int tid) {
     for (int u = 0; u < 8; ++u) y[u] = 0.f;
     // T_HH[r][k] = 0 for k > r.
 #pragma unroll 4
-    for (int k = 0; k <= r; ++k) {
-      const float t = sm.tf[32 + r][32 + k];
-      const float4 x0 = *reinterpret_cast<const float4*>(&sm.af[k][32 + c0]);
-      const float4 x1 = *reinterpret_cast<const float4*>(&sm.af[k][36 + c0]);
-      y[0] = fmaf(t, x0.x, y[0]);
-      y[1] = fmaf(t, x0.y, y[1]);
-      y[2] = fmaf(t, x0.z, y[2]);
-      y[3] = fmaf(t, x0.w, y[3]);
-      y[4] = fmaf(t, x1.x, y[4]);
-      y[5] = fmaf(t, x1.y, y[5]);
-      y[6] = fmaf(t, x1.z, y[6]);
-      y[7] = fmaf(t, x1.w, y[7]);
-    }
+    for (int k = 0; k <= r; ++k) fma_row(y, sm.tf[32 + r][32 + k], &sm.af[k][32 + c0]);
     *reinterpret_cast<float4*>(&sm.tf[32 + r][c0]) = make_float4(-y[0], -y[1], -y[2], -y[3]);
     *reinterpret_cast<float4*>(&sm.tf[32 + r][c0 + 4]) = make_float4(-y[4], -y[5], -y[6], -y[7]);
   }
