@@ -1,11 +1,13 @@
 // The Hopper forward kernel: wires the shared storage, the barriers and the warp roles.
 //
-//   WG 0 producer     --in_full-->   WG 1 chunk-local  --local_full-->  WG 2.. state
-//        ^                               |      ^                            |
-//        +-------------in_empty----------+------|----------------------------+
-//                                               +---------local_empty--------+
+//   WG 0 producer  --in_ready-->  WG 1 chunk-local  --local_full-->  WG 2.. state
+//   (TMA --in_full--> norms)                |      ^                            |
+//        ^                                  |      |                            |
+//        +-------------in_empty-------------+------|----------------------------+
+//                                                  +---------local_empty--------+
 //
-// in_full   : 1 arrival with the TMA byte count + 32 (gate loads)
+// in_full   : 1 arrival with the TMA byte count (waited for by the norm warps and the state)
+// in_ready  : 32 (gate warp) + 64 (norm warps)
 // in_empty  : 128 (chunk-local) + 128 per state warpgroup
 // local_full: 128 (chunk-local), local_empty: 128 per state warpgroup
 #pragma once
@@ -13,6 +15,7 @@
 #include "sm90/fwd_chunk_local.cuh"
 #include "sm90/fwd_load.cuh"
 #include "sm90/fwd_params.h"
+#include "sm90/fwd_row_norms.cuh"
 #include "sm90/fwd_scheduler.cuh"
 #include "sm90/fwd_smem.cuh"
 #include "sm90/fwd_state.cuh"
@@ -32,7 +35,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tr::kInStages; ++s) {
-      sm.in_full[s].init(1 + 32);
+      sm.in_full[s].init(1);
+      sm.in_ready[s].init(32 + 64);
       sm.in_empty[s].init(128 * (1 + Tr::kStateWGs));
     }
     for (int s = 0; s < Tr::kLocalStages; ++s) {
@@ -53,6 +57,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
       if ((tid & 31) == 0) fwd_load_tiles<Tr>(p, sm, w);
     } else if (warp == 1) {
       fwd_load_gates<Tr>(p, sm, w, tid & 31);
+    } else {
+      fwd_row_norms<Tr>(p, sm, w, warp - 2, tid & 31);
     }
   } else if (wg == 1) {
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();

@@ -1,10 +1,13 @@
 // Producer role of the Hopper forward (warpgroup 0): fills the input ring, chunk by chunk.
 //   warp 0 (one lane): TMA loads of the Q, K, V tiles, announced on in_full with their bytes;
 //   warp 1: the per-token gate inputs g and beta of the chunk (strided, 4 or 2 bytes a token:
-//           too narrow for TMA), 32 arrivals on in_full.
-// Both wait for in_empty of the stage before overwriting it.
+//           too narrow for TMA), the in-kernel gate, the floor and the in-chunk cumulative sum;
+//           32 arrivals on in_ready;
+//   warps 2-3: the rows' norms (fwd_row_norms.cuh), 64 arrivals on in_ready.
+// Warps 0 and 1 wait for in_empty of the stage before overwriting it.
 #pragma once
 
+#include "common/numerics.h"
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_params.h"
 #include "sm90/fwd_scheduler.cuh"
@@ -47,35 +50,35 @@ __device__ __forceinline__ void fwd_load_tiles(const FwdParams& p, FwdSmem<Tr>& 
 template <class Tr>
 __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& sm,
                                                const WorkItem& w, int lane) {
-  // Tokens lane and lane + 32 of chunk j; the loads of chunk j + 1 are issued before waiting for
-  // chunk j's stage, so their latency hides behind that wait.
-  auto load = [&](int32_t j, float (&gv)[2], float (&bv)[2]) {
-    const int len = w.chunk_len(j);
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int i = lane + 32 * u;
-      gv[u] = bv[u] = 0.f;
-      if (i < len) {
-        const int64_t t = static_cast<int64_t>(w.t0) + j * 64 + i;
-        gv[u] = cuda::load_as_float(p.g, p.g_dtype, w.b * p.gs0 + t * p.gs1 + w.h * p.gs2);
-        bv[u] = cuda::load_as_float(p.beta, p.beta_dtype, w.b * p.bs0 + t * p.bs1 + w.h * p.bs2);
-      }
-    }
-  };
-  float gn[2], bn[2];
-  if (w.nchunks > 0) load(0, gn, bn);
   for (int32_t j = 0; j < w.nchunks; ++j) {
     const RingPos<Tr::kInStages> pos(j);
-    auto& st = sm.in[pos.stage];
-    const float gv[2] = {gn[0], gn[1]}, bv[2] = {bn[0], bn[1]};
-    if (j + 1 < w.nchunks) load(j + 1, gn, bn);
-    sm.in_empty[pos.stage].wait(pos.phase ^ 1);
+    const int len = w.chunk_len(j);
+    // Tokens 2 lane and 2 lane + 1, loaded and summed before waiting for the stage (the loads'
+    // latency hides behind that wait): c_t = g_1 + ... + g_t of the floored gate
+    // (common/numerics.h), zero gates past the chunk.
+    float g[2], b[2];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      st.g_raw[lane + 32 * u] = gv[u];
-      st.beta_raw[lane + 32 * u] = bv[u];
+      const int i = 2 * lane + u;
+      g[u] = b[u] = 0.f;
+      if (i < len) {
+        const int64_t t = static_cast<int64_t>(w.t0) + j * 64 + i;
+        float x = cuda::load_as_float(p.g, p.g_dtype, w.b * p.gs0 + t * p.gs1 + w.h * p.gs2);
+        if (p.gate_in_kernel) {
+          const float dt_bias = p.dt_bias != nullptr ? p.dt_bias[w.h] : 0.f;
+          x = gate_from_activation(x + dt_bias, p.A_log[w.h]);
+        }
+        g[u] = gate_floor(x);
+        b[u] = cuda::load_as_float(p.beta, p.beta_dtype, w.b * p.bs0 + t * p.bs1 + w.h * p.bs2);
+      }
     }
-    sm.in_full[pos.stage].arrive();
+    const float pair = g[0] + g[1];
+    const float c0 = (cuda::warp_inclusive_scan(pair) - pair) + g[0];
+    sm.in_empty[pos.stage].wait(pos.phase ^ 1);
+    auto& st = sm.in[pos.stage];
+    *reinterpret_cast<float2*>(&st.c2[2 * lane]) = make_float2(c0 * kLog2e, (c0 + g[1]) * kLog2e);
+    *reinterpret_cast<float2*>(&st.beta[2 * lane]) = make_float2(b[0], b[1]);
+    sm.in_ready[pos.stage].arrive();
   }
 }
 

@@ -15,16 +15,19 @@ struct FwdSmem {
   using Tin = typename Tr::Tin;
   static constexpr int kBlocks = Tr::kBlocks;
 
-  // One chunk's raw inputs, written by the producer (TMA + gate loads).
+  // One chunk's inputs, written by the producer warpgroup (TMA tiles, gates, row norms).
   struct alignas(1024) InStage {
     // Column block b of Q (rows 0..63) and K (rows 64..127): stacking them lets one wgmma of
-    // width 128 compute S^T [Q; K]^T. Rows past the chunk are zeroed by the chunk-local role.
+    // width 128 compute S^T [Q; K]^T. Rows past the chunk are zeroed by the norm warps.
     Tin qk[kBlocks][128][64];
     // Column block b of V: state warpgroup b reads only its own, and once Y is formed it stages
     // its output tile there ([64 tokens][64 values]) before the stage is released.
     Tin v[kBlocks][64][64];
-    float g_raw[64];         // g (or the activation a with gate_in_kernel)
-    float beta_raw[64];
+    // Per token (zero past the chunk, except c2, which stays at the chunk's last value):
+    float c2[64];    // in-chunk cumulative gate in log2 units, log2(e) (g_1 + ... + g_t)
+    float beta[64];
+    float fq[64];    // factor of the stored q row: 1 / sqrt(|q|^2 + 1e-6) with l2norm, else 1
+    float fk[64];    // same for k
   };
 
   // One chunk's local results, written by the chunk-local role for the state warpgroups.
@@ -42,16 +45,13 @@ struct FwdSmem {
   InStage in[Tr::kInStages];
   LocalStage local[Tr::kLocalStages];
 
-  // Chunk-local role's private work space.
+  // Chunk-local role's private work space (fwd_inverse.cuh).
   alignas(16) float af[64][68];  // A (strictly lower); its upper triangle holds the inverse's
                                  // intermediate products
   alignas(16) float tf[64][68];  // T in fp32 while it is built
-  float c[64];                   // in-chunk cumulative gate
-  float beta[64];
-  float fq[64], fk[64];          // per-token factors of the stored q / k rows (norm, scaling)
-  int32_t rare[128];             // q rows 0..63, k rows 64..127: sums of squares that overflow
 
-  Mbarrier in_full[Tr::kInStages], in_empty[Tr::kInStages];
+  // in_full: the TMA tiles landed; in_ready: gates and norms written too (rows zeroed/rescaled).
+  Mbarrier in_full[Tr::kInStages], in_ready[Tr::kInStages], in_empty[Tr::kInStages];
   Mbarrier local_full[Tr::kLocalStages], local_empty[Tr::kLocalStages];
 };
 

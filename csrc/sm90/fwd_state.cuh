@@ -13,7 +13,6 @@
 #pragma once
 
 #include "sm90/fwd_epilogue.cuh"
-#include "sm90/fwd_chunk_local.cuh"
 #include "sm90/wgmma.cuh"
 
 namespace flashgdn::sm90 {

@@ -23,8 +23,10 @@ struct FwdTraits {
   static_assert(kD == 64 || kD == 128, "head dims K = V in {64, 128}");
 
   // Warp roles, one warpgroup (128 threads) each:
-  //   WG 0      producer: warp 0 issues the TMA tile loads, warp 1 the per-token gate loads
-  //   WG 1      chunk-local: gates, norms, K K^T, Q K^T, T = (I + A)^-1; runs ahead of the state
+  //   WG 0      producer: warp 0 issues the TMA tile loads, warp 1 loads the gate inputs and
+  //             forms the cumulative gate, warps 2-3 the rows' L2 norms (and zero rows past
+  //             a partial chunk)
+  //   WG 1      chunk-local: K K^T, Q K^T, A, P, T = (I + A)^-1; runs ahead of the state
   //   WG 2 ..   state: each owns 64 rows (value columns) of the transposed state S^T
   static constexpr int kStateWGs = kD / 64;
   static constexpr int kThreads = 128 * (2 + kStateWGs);
@@ -45,8 +47,8 @@ struct FwdTraits {
   // setmaxnreg.inc waits forever: 24 + 88 + 2 x 200 = 512 = 4 x 128; 24 + 240 + 240 = 504 = 3 x 168.
   // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
   // fragments (D/4); the chunk-local one a 64 x 64 accumulator and small tiles of the inverse.
-  static constexpr uint32_t kProducerRegs = 24;
-  static constexpr uint32_t kLocalRegs = kD == 128 ? 88 : 240;
+  static constexpr uint32_t kProducerRegs = 32;
+  static constexpr uint32_t kLocalRegs = kD == 128 ? 80 : 232;
   static constexpr uint32_t kStateRegs = kD == 128 ? 200 : 240;
   static constexpr uint32_t kEntryRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs + kLocalRegs + kStateWGs * kStateRegs <= kEntryRegs * (2 + kStateWGs),
@@ -58,8 +60,9 @@ struct FwdTraits {
 
 // Named barrier ids (0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
-  kChunkLocal = 1,  // the chunk-local warpgroup's phases
-  kStateBase = 2,   // + state warpgroup index: its output staging
+  kChunkLocal = 1,     // the chunk-local warpgroup's phases
+  kInverseHalves = 2,  // warps 2 and 3 of the chunk-local warpgroup: the inverse's last step
+  kStateBase = 3,      // + state warpgroup index: its output staging
 };
 
 }  // namespace flashgdn::sm90

@@ -91,6 +91,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Lane l supplies the row address of row l % 8 of matrix l / 8. With .trans, a thread receives
 // (stores) the transposed fragment: element (row 2 (lane % 4) + e, column lane / 4) of the
 // 8x8 matrix in memory.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -107,6 +112,16 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 // the 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Byte offset of (row, chunk).
 __device__ __forceinline__ uint32_t swizzle128(uint32_t row, uint32_t chunk) {
   return row * 128u + ((chunk ^ (row & 7u)) << 4);
+}
+
+// ---- exponentials ---------------------------------------------------------------------------
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x (MUFU.EX2; the exponents here are differences of cumulative gates in log2 units, <= 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 }  // namespace flashgdn::sm90

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "cuda/device_utils.cuh"
+
 namespace flashgdn::sm90 {
 
 // ---- shared-memory matrix descriptors (128-byte swizzle) -----------------------------------
@@ -136,5 +138,18 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_
 #undef FGDN_D64
 #undef FGDN_OUT8
 #undef FGDN_OUT32
+
+// 16-bit operand x = hi + lo (|lo| <= 2^-8 |x| for bf16); lo only when the operand is split
+// (the precision policy, fwd_traits.cuh). Two floats a, b packed into one 32-bit register.
+template <typename T, bool kSplit>
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = cuda::pack2<T>(a, b);
+  lo = 0u;
+  if constexpr (kSplit) {
+    const float ah = cuda::to_float(cuda::from_float<T>(a));
+    const float bh = cuda::to_float(cuda::from_float<T>(b));
+    lo = cuda::pack2<T>(a - ah, b - bh);
+  }
+}
 
 }  // namespace flashgdn::sm90
