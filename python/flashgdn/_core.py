@@ -376,8 +376,9 @@ def chunk_gated_delta_rule_bwd(
     dtypes of q/k/v, dg (the gradient of the raw activation with ``use_gate_in_kernel``) and dbeta
     in the dtypes of g and beta; dh0 (allocated in initial_state's dtype) when ``initial_state``
     is given and ``need_dh0`` is not False; dA_log with ``use_gate_in_kernel``; ddt_bias when
-    ``dt_bias`` is given. Gradient buffers may be passed preallocated (written in place with their own strides, never through a
-    copy); the others are allocated. ``check_inputs``: check mode (docs/api.md).
+    ``dt_bias`` is given. Gradient buffers may be passed preallocated (written in place with their
+    own strides, never through a copy); the others are allocated. ``check_inputs``: check mode
+    (docs/api.md).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")

@@ -299,9 +299,9 @@ def chunk_gated_delta_rule(
         checkpoint_every: 0, or a multiple of 64: also return the state after every
             ``checkpoint_every`` tokens of each sequence, as a third return value
             ``checkpoints`` ``[B * (T // checkpoint_every), Hv, K, V]`` float32 (whatever the
-            state dtypes): sequence ``n``'s
-            ``j``-th checkpoint (after ``(j + 1) * checkpoint_every`` of its tokens) is row
-            ``offset_n + j`` with ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
+            state dtypes): sequence ``n``'s ``j``-th checkpoint (after
+            ``(j + 1) * checkpoint_every`` of its tokens) is row ``offset_n + j`` with
+            ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
             (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
             Checkpoints are not differentiable.
         final_state_dtype: None (the rule above), torch.float32, torch.bfloat16 or torch.float16:
