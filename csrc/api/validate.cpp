@@ -283,6 +283,10 @@ class Checker {
 const std::initializer_list<fgdn_dtype> kInputDtypes = {FGDN_BFLOAT16, FGDN_FLOAT16, FGDN_FLOAT32};
 const std::initializer_list<fgdn_dtype> kGateDtypes = {FGDN_FLOAT32, FGDN_BFLOAT16};
 const std::initializer_list<fgdn_dtype> kIndexDtypes = {FGDN_INT32, FGDN_INT64};
+// States the caller passes or receives (initial state / pool, final state, their gradients):
+// each in its own dtype, converted to float32 on load and rounded to nearest even on store.
+// Checkpoints are float32.
+const std::initializer_list<fgdn_dtype> kStateDtypes = {FGDN_FLOAT32, FGDN_BFLOAT16, FGDN_FLOAT16};
 
 // Reads a validated 1-D index tensor (host or device) into int64 on the host; a device tensor
 // is read on `stream`, ordered after the caller's work on it (one host synchronisation).
@@ -422,12 +426,12 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, bool pool_written) {
     if (!present(in.initial_state))
       c.fail("initial_state", "a state pool [P, Hv, K, V] when state_indices is given", "none");
     // Written back in place with output_final_state: then an output of the call.
-    c.tensor("initial_state", in.initial_state, {{kAny, "P"}, {p.Hv, "Hv"}, sd2, sd3}, {FGDN_FLOAT32},
+    c.tensor("initial_state", in.initial_state, {{kAny, "P"}, {p.Hv, "Hv"}, sd2, sd3}, kStateDtypes,
              state_spec(p.state_v_first, pool_written ? Role::kOutput : Role::kInput));
     p.pool_rows = in.initial_state.shape[0];
   } else {
     c.optional_tensor("initial_state", in.initial_state, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3},
-                      {FGDN_FLOAT32}, state_spec(p.state_v_first, Role::kInput));
+                      kStateDtypes, state_spec(p.state_v_first, Role::kInput));
     p.pool_rows = p.N;
   }
   p.has_initial_state = present(in.initial_state);
@@ -600,7 +604,7 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
 
   p.output_final_state = a->output_final_state != 0;
   if (p.output_final_state && !p.has_state_indices) {
-    c.tensor("final_state", a->final_state, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3}, {FGDN_FLOAT32},
+    c.tensor("final_state", a->final_state, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3}, kStateDtypes,
              state_spec(p.state_v_first, Role::kOutput));
   } else if (p.output_final_state) {
     c.absent("final_state", a->final_state,
@@ -653,7 +657,7 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
 
   c.tensor("d_o", a->d_o, {{p.B, "B"}, {p.T, "T"}, {p.Hv, "Hv"}, {p.V, "V"}}, {p.qkv_dtype});
   c.optional_tensor("d_final_state", a->d_final_state, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3},
-                    {FGDN_FLOAT32}, state_spec(p.state_v_first, Role::kInput));
+                    kStateDtypes, state_spec(p.state_v_first, Role::kInput));
   p.has_d_final_state = present(a->d_final_state);
 
   c.tensor("dq", a->dq, {{p.B, "B"}, {p.T, "T"}, {p.Hq, "Hq"}, {p.K, "K"}}, {p.qkv_dtype}, kRowsOutput);
@@ -672,7 +676,7 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
     c.absent("ddt_bias", a->ddt_bias, "gate_in_kernel is 0");
   }
   if (p.has_initial_state) {
-    c.optional_tensor("dh0", a->dh0, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3}, {FGDN_FLOAT32},
+    c.optional_tensor("dh0", a->dh0, {{p.N, "N"}, {p.Hv, "Hv"}, sd2, sd3}, kStateDtypes,
                       state_spec(p.state_v_first, Role::kOutput));
   } else {
     c.absent("dh0", a->dh0, "initial_state is not given");

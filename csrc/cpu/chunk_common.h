@@ -28,33 +28,34 @@ inline int64_t gate_off(const fgdn_tensor& x, int64_t b, int64_t t, int64_t h) {
   return b * x.strides[0] + t * x.strides[1] + h;
 }
 
-// A float32 state tensor [rows, Hv, K, V] (or [rows, Hv, V, K] with v_first): offset of
-// element (i = k index, j = v index) of (row, head).
+// A state tensor [rows, Hv, K, V] (or [rows, Hv, V, K] with v_first) of dtype fp32, bf16 or
+// fp16: element (i = k index, j = v index) of (row, head) at off(row, h) + ij(i, j). Loads
+// convert to float (exact), stores round to the tensor's dtype (to nearest, ties to even).
 struct StateView {
-  float* data = nullptr;
+  void* data = nullptr;
+  fgdn_dtype dtype = FGDN_FLOAT32;
   int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   bool v_first = false;
 
   StateView() = default;
   StateView(const fgdn_tensor& t, bool vf)
-      : data(static_cast<float*>(t.data)), s0(t.strides[0]), s1(t.strides[1]),
-        s2(t.strides[2]), s3(t.strides[3]), v_first(vf) {}
+      : data(t.data), dtype(static_cast<fgdn_dtype>(t.dtype)), s0(t.strides[0]),
+        s1(t.strides[1]), s2(t.strides[2]), s3(t.strides[3]), v_first(vf) {}
   bool present() const { return data != nullptr; }
-  // Row pointer base for (row, head); element (i, j) at base + ij(i, j).
-  float* base(int64_t row, int64_t h) const { return data + row * s0 + h * s1; }
+  int64_t off(int64_t row, int64_t h) const { return row * s0 + h * s1; }
   int64_t ij(int64_t i, int64_t j) const { return v_first ? j * s2 + i * s3 : i * s2 + j * s3; }
 
   // S[K x V] (row-major, ld V) <- stored (row, h)
   void load(int64_t row, int64_t h, int64_t K, int64_t V, float* S) const {
-    const float* src = base(row, h);
+    const int64_t o = off(row, h);
     for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) S[i * V + j] = src[ij(i, j)];
+      for (int64_t j = 0; j < V; ++j) S[i * V + j] = load_float(data, dtype, o + ij(i, j));
   }
   // stored (row, h) <- S[K x V]
   void store(int64_t row, int64_t h, int64_t K, int64_t V, const float* S) const {
-    float* dst = base(row, h);
+    const int64_t o = off(row, h);
     for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) dst[ij(i, j)] = S[i * V + j];
+      for (int64_t j = 0; j < V; ++j) store_float(data, dtype, o + ij(i, j), S[i * V + j]);
   }
 };
 

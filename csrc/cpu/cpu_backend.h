@@ -1,5 +1,6 @@
 // CPU backend: the chunked algorithm (gdn-math section 3, chunk 64) in float32 with a float32
-// state, forward and backward, multithreaded over (sequence, value head).
+// state (the caller's states, fp32 | bf16 | fp16, converted on load and rounded on store), forward
+// and backward, multithreaded over (sequence, value head).
 #pragma once
 
 #include "common/problem.h"

@@ -48,6 +48,7 @@ Layout make_layout(const Problem& p) {
 bwd::Tensor4 t4(const fgdn_tensor& t) {
   bwd::Tensor4 r{};
   r.data = t.data;
+  r.dtype = t.dtype;
   if (t.ndim >= 3) {
     r.s0 = t.strides[0];
     r.s1 = t.strides[1];

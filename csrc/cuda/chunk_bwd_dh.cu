@@ -25,14 +25,14 @@ __global__ void __launch_bounds__(kThreads, 1) dh_kernel(BwdParams P) {
   __shared__ float s_c[kC], s_e[kC], s_q[kC];
   const int tid = threadIdx.x;
 
-  const float* dht = static_cast<const float*>(P.d_final_state.data);
   for (int e = tid; e < D * kVs; e += kThreads) {
     const int a = e / kVs, v = e % kVs;
     float x = 0.f;
-    if (P.has_d_final_state) {
-      const int64_t base = n * P.d_final_state.s0 + h * P.d_final_state.s1;
-      x = P.state_v_first ? dht[base + (v0 + v) * P.d_final_state.s2 + a]
-                          : dht[base + a * P.d_final_state.s2 + v0 + v];
+    if (P.has_d_final_state) {  // in its dtype (fp32 | bf16 | fp16)
+      const Tensor4& dht = P.d_final_state;
+      const int64_t base = n * dht.s0 + h * dht.s1;
+      x = load_as_float(dht.data, dht.dtype,
+                        P.state_v_first ? base + (v0 + v) * dht.s2 + a : base + a * dht.s2 + v0 + v);
     }
     s_S[e] = x;
   }
@@ -75,12 +75,11 @@ __global__ void __launch_bounds__(kThreads, 1) dh_kernel(BwdParams P) {
   if (P.want_dh0) {
     int64_t row = n;
     if (P.has_state_indices) row = load_index(P.state_indices, P.idx_dtype, n);
-    float* dh0 = static_cast<float*>(P.dh0.data);
-    for (int e = tid; e < D * kVs; e += kThreads) {
+    for (int e = tid; e < D * kVs; e += kThreads) {  // rounded to dh0's dtype (nearest even)
       const int a = e / kVs, v = e % kVs;
       const int64_t base = n * P.dh0.s0 + h * P.dh0.s1;
       const int64_t o = P.state_v_first ? base + (v0 + v) * P.dh0.s2 + a : base + a * P.dh0.s2 + v0 + v;
-      dh0[o] = row >= 0 ? s_S[e] : 0.f;
+      store_from_float(P.dh0.data, P.dh0.dtype, o, row >= 0 ? s_S[e] : 0.f);
     }
   }
 }

@@ -25,6 +25,7 @@ constexpr int kLd = kC + 1;     // padded leading dimension of 64 x 64 fp32 tile
 struct Tensor4 {  // a strided device tensor (element strides)
   void* data;
   int64_t s0, s1, s2;
+  int32_t dtype;  // fgdn_dtype (read by the state tensors: fp32 | bf16 | fp16)
 };
 
 struct BwdParams {

@@ -25,13 +25,13 @@ __global__ void __launch_bounds__(kThreads) state_kernel(BwdParams P) {
 
   int64_t row = -1;
   if (P.has_initial_state) row = P.has_state_indices ? load_index(P.state_indices, P.idx_dtype, n) : n;
-  const float* h0 = static_cast<const float*>(P.h0.data);
   for (int e = tid; e < D * kVs; e += kThreads) {
     const int a = e / kVs, v = e % kVs;
     float x = 0.f;
-    if (row >= 0) {
+    if (row >= 0) {  // the initial state in its dtype (fp32 | bf16 | fp16), exactly to float
       const int64_t base = row * P.h0.s0 + h * P.h0.s1;
-      x = P.state_v_first ? h0[base + (v0 + v) * P.h0.s2 + a] : h0[base + a * P.h0.s2 + v0 + v];
+      x = load_as_float(P.h0.data, P.h0.dtype,
+                        P.state_v_first ? base + (v0 + v) * P.h0.s2 + a : base + a * P.h0.s2 + v0 + v);
     }
     s_S[e] = x;
   }

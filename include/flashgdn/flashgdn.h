@@ -6,7 +6,9 @@
  *
  * Conventions (the ecosystem's, as in FLA / FlashQLA / vLLM):
  *   q, k : [B, T, Hq, K]      v : [B, T, Hv, V]      g, beta : [B, T, Hv]
- *   states: [N, Hv, K, V] (or [N, Hv, V, K] with state_v_first), float32
+ *   states: [N, Hv, K, V] (or [N, Hv, V, K] with state_v_first), each state tensor in its own
+ *   dtype: float32, bfloat16 or float16 (checkpoints: float32). The recurrence runs in float32:
+ *   a state is converted to float32 on load (exactly) and rounded to nearest even on store.
  *   Hv is a multiple of Hq; value head h reads q/k head h / (Hv / Hq).
  *   Varlen: B == 1 and cu_seqlens [N + 1] (int32 or int64) packs N sequences along T.
  *
@@ -99,8 +101,9 @@ typedef struct fgdn_inputs {
      which a CUDA graph capture needs. It must equal cu_seqlens: compared when cu_seqlens is
      on the CPU, trusted (and what validation checks) on a device unless in check mode. */
   fgdn_tensor cu_seqlens_host;
-  fgdn_tensor initial_state; /* [N, Hv, K, V] fp32, optional; with state_indices a pool
-                                [P, Hv, K, V] read in place */
+  fgdn_tensor initial_state; /* [N, Hv, K, V] fp32 | bf16 | fp16, optional; with state_indices
+                                a pool [P, Hv, K, V] read (and, with output_final_state,
+                                written) in place in its own dtype */
   fgdn_tensor state_indices; /* [N] int32 | int64, optional: row of the pool per sequence;
                                 a negative index starts from zero and writes nothing back;
                                 distinct non-negative rows when the pool is written */
@@ -126,8 +129,9 @@ typedef struct fgdn_fwd_args {
   int64_t checkpoint_every;   /* 0: none; else a multiple of 64: S after every
                                  checkpoint_every tokens of each sequence into checkpoints */
   fgdn_tensor o;              /* [B, T, Hv, V], dtype of q */
-  fgdn_tensor final_state;    /* [N, Hv, K, V] fp32; required iff output_final_state and no
-                                 state_indices, absent otherwise */
+  fgdn_tensor final_state;    /* [N, Hv, K, V] fp32 | bf16 | fp16 (its own dtype, not
+                                 necessarily that of initial_state); required iff
+                                 output_final_state and no state_indices, absent otherwise */
   /* [R, Hv, K, V] fp32 with R >= sum_n floor(len_n / checkpoint_every); sequence n's j-th
      checkpoint (j = 0, 1, ...) is row offset_n + j, offset_n = sum_{m < n} floor(len_m /
      checkpoint_every), the state after (j + 1) * checkpoint_every of its tokens. */
@@ -138,7 +142,7 @@ typedef struct fgdn_fwd_args {
 typedef struct fgdn_bwd_args {
   fgdn_inputs in;
   fgdn_tensor d_o;           /* [B, T, Hv, V], dtype of q */
-  fgdn_tensor d_final_state; /* [N, Hv, K, V] fp32, optional (zero when absent) */
+  fgdn_tensor d_final_state; /* [N, Hv, K, V] fp32 | bf16 | fp16, optional (zero when absent) */
   fgdn_tensor dq;            /* [B, T, Hq, K], dtype of q (w.r.t. the raw q when l2norm) */
   fgdn_tensor dk;            /* [B, T, Hq, K], dtype of k */
   fgdn_tensor dv;            /* [B, T, Hv, V], dtype of v */
@@ -146,7 +150,8 @@ typedef struct fgdn_bwd_args {
   fgdn_tensor dbeta;         /* [B, T, Hv], dtype of beta */
   fgdn_tensor dA_log;        /* [Hv] fp32, required iff gate_in_kernel */
   fgdn_tensor ddt_bias;      /* [Hv] fp32, required iff gate_in_kernel and dt_bias given */
-  fgdn_tensor dh0;           /* [N, Hv, K, V] fp32, optional (only with initial_state) */
+  fgdn_tensor dh0;           /* [N, Hv, K, V] fp32 | bf16 | fp16 (autograd: the dtype of
+                                initial_state), optional (only with initial_state) */
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as

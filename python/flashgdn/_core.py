@@ -31,6 +31,10 @@ _DTYPES = {
 }
 
 
+# The dtypes a state tensor (initial state or pool, final state, their gradients) may have.
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def has_cuda() -> bool:
     """True if this build of the library has the CUDA backend."""
     return bool(_C.has_cuda())
@@ -57,6 +61,15 @@ def _desc(name: str, t: Optional[torch.Tensor]):
     else:
         raise ValueError(f"{name}: expected a tensor on cpu or cuda, got a tensor on {dev}")
     return (t.data_ptr(), code, tuple(t.shape), tuple(t.stride()), dtype, did)
+
+
+def _state_desc(name: str, t: Optional[torch.Tensor]):
+    """_desc of a state tensor (initial state or pool, final state, their gradients): float32,
+    bfloat16 or float16, each in its own dtype."""
+    if isinstance(t, torch.Tensor) and t.dtype not in STATE_DTYPES:
+        raise ValueError(f"{name}: expected a state of dtype torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {t.dtype}")
+    return _desc(name, t)
 
 
 _INT64_MAX = 2**63 - 1
@@ -149,6 +162,31 @@ def _state_shape(N: int, Hv: int, K: int, V: int, state_v_first: bool) -> Tuple[
     return (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
 
 
+def resolve_final_state_dtype(initial_state: Optional[torch.Tensor], state_indices: Optional[torch.Tensor] = None,
+                              dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype of a final state the library allocates: ``dtype`` when given (float32, bfloat16
+    or float16), else the initial state's dtype when there is a per-sequence initial state, else
+    float32 (docs/api.md, "State dtypes"). With ``state_indices`` the final states go into the pool
+    in its own dtype, so ``dtype`` must be None."""
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype) or dtype not in STATE_DTYPES:
+            raise ValueError("final_state_dtype: expected None, torch.float32, torch.bfloat16 or "
+                             f"torch.float16, got {dtype!r}")
+        if state_indices is not None:
+            raise ValueError("final_state_dtype: must be None with state_indices (the final states "
+                             "are written back into the pool, in the pool's dtype)")
+        return dtype
+    if (isinstance(initial_state, torch.Tensor) and state_indices is None
+            and initial_state.dtype in STATE_DTYPES):
+        return initial_state.dtype
+    return torch.float32
+
+
+def grad_state_dtype(initial_state: torch.Tensor) -> torch.dtype:
+    """The dtype of the initial state's gradient dh0: the initial state's (what autograd needs)."""
+    return initial_state.dtype if initial_state.dtype in STATE_DTYPES else torch.float32
+
+
 def _check_device(q: torch.Tensor) -> None:
     if q.device.type == "cuda" and not _C.has_cuda():
         raise NotImplementedError(
@@ -180,7 +218,7 @@ def _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_
         A_log=_desc("A_log", A_log), dt_bias=_desc("dt_bias", dt_bias),
         cu_seqlens=_desc("cu_seqlens", cu_seqlens),
         cu_seqlens_host=_desc("cu_seqlens_host", cu_seqlens_host),
-        initial_state=_desc("initial_state", initial_state),
+        initial_state=_state_desc("initial_state", initial_state),
         state_indices=_desc("state_indices", state_indices),
         scale=_scale(scale),
         use_qk_l2norm_in_kernel=_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
@@ -224,6 +262,7 @@ def chunk_gated_delta_rule_fwd(
     checkpoints: Optional[torch.Tensor] = None,
     check_inputs: bool = False,
     precision: str = "default",
+    final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
@@ -232,7 +271,10 @@ def chunk_gated_delta_rule_fwd(
     with their own strides (never through a copy: a layout the library cannot write is refused);
     the ones not given are allocated. ``final_state`` is None unless ``output_final_state`` and
     no ``state_indices`` (with ``state_indices`` the final states go back into the pool rows of
-    ``initial_state``). ``checkpoints`` is None unless ``checkpoint_every > 0``; when allocated
+    ``initial_state``); when allocated here its dtype is ``final_state_dtype``, by default the
+    initial state's dtype (float32 without one; ``resolve_final_state_dtype``), and a final state
+    passed in may have any state dtype (float32, bfloat16, float16), independently of the initial
+    state's. ``checkpoints`` (float32) is None unless ``checkpoint_every > 0``; when allocated
     here it has ``checkpoint_rows(B, T, checkpoint_every)`` rows, the rows past the ones written
     (varlen; see ``checkpoint_offsets``) zero. ``check_inputs``: check mode (docs/api.md).
     ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA forward's arithmetic;
@@ -254,8 +296,9 @@ def chunk_gated_delta_rule_fwd(
     if o is None:
         o = torch.empty((B, T, Hv, V), dtype=q.dtype, device=q.device)
     want_final = output_final_state and state_indices is None
+    ht_dtype = resolve_final_state_dtype(initial_state, state_indices, final_state_dtype)
     if want_final and final_state is None:
-        final_state = torch.empty(_state_shape(N, Hv, K, V, state_v_first), dtype=torch.float32,
+        final_state = torch.empty(_state_shape(N, Hv, K, V, state_v_first), dtype=ht_dtype,
                                   device=q.device)
     zero_tail = None
     if checkpoint_every > 0 and checkpoints is None:
@@ -274,7 +317,7 @@ def chunk_gated_delta_rule_fwd(
         checkpoint_every=checkpoint_every,
         precision=_precision(precision),
         o=_desc("o", o),
-        final_state=_desc("final_state", final_state) if want_final else None,
+        final_state=_state_desc("final_state", final_state) if want_final else None,
         checkpoints=_desc("checkpoints", checkpoints) if checkpoint_every > 0 else None,
     )
     _launch(_C.forward, _C.forward_workspace_size, kw, q.device)
@@ -328,13 +371,14 @@ def chunk_gated_delta_rule_bwd(
 ) -> GDNGrads:
     """Backward pass, no autograd (recomputes the forward from the inputs).
 
-    ``do``: gradient of o, ``dht``: gradient of the final state (None: zero). Returns
-    ``GDNGrads(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq/dk/dv in the dtypes of q/k/v,
-    dg (the gradient of the raw activation with ``use_gate_in_kernel``) and dbeta in the dtypes of
-    g and beta; dh0 (float32, like initial_state) when ``initial_state`` is given and ``need_dh0``
-    is not False; dA_log with ``use_gate_in_kernel``; ddt_bias when ``dt_bias`` is given. Gradient
-    buffers may be passed preallocated (written in place with their own strides, never through a
-    copy); the others are allocated. ``check_inputs``: check mode (docs/api.md).
+    ``do``: gradient of o, ``dht``: gradient of the final state (None: zero; float32, bfloat16 or
+    float16). Returns ``GDNGrads(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq/dk/dv in the
+    dtypes of q/k/v, dg (the gradient of the raw activation with ``use_gate_in_kernel``) and dbeta
+    in the dtypes of g and beta; dh0 (allocated in initial_state's dtype) when ``initial_state``
+    is given and ``need_dh0`` is not False; dA_log with ``use_gate_in_kernel``; ddt_bias when
+    ``dt_bias`` is given. Gradient buffers may be passed preallocated (written in place with their
+    own strides, never through a copy); the others are allocated. ``check_inputs``: check mode
+    (docs/api.md).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -363,14 +407,14 @@ def chunk_gated_delta_rule_bwd(
         B, T, Hv, V = v.shape
         K = k.shape[-1]
         dh0 = torch.empty(_state_shape(_num_seqs(B, cu_seqlens), Hv, K, V, kw["state_v_first"]),
-                          dtype=torch.float32, device=q.device)
+                          dtype=grad_state_dtype(initial_state), device=q.device)
     kw.update(
-        d_o=_desc("do", do), d_final_state=_desc("dht", dht),
+        d_o=_desc("do", do), d_final_state=_state_desc("dht", dht),
         dq=_desc("dq", dq), dk=_desc("dk", dk), dv=_desc("dv", dv), dg=_desc("dg", dg),
         dbeta=_desc("dbeta", dbeta),
         dA_log=_desc("dA_log", dA_log) if gate else None,
         ddt_bias=_desc("ddt_bias", ddt_bias) if gate and dt_bias is not None else None,
-        dh0=_desc("dh0", dh0) if need_dh0 else None,
+        dh0=_state_desc("dh0", dh0) if need_dh0 else None,
     )
     _launch(_C.backward, _C.backward_workspace_size, kw, q.device)
     return GDNGrads(

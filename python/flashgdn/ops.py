@@ -56,7 +56,7 @@ def _fwd_op(
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, output_final_state: bool, checkpoint_every: int, check_inputs: bool,
-    precision: str = "default",
+    precision: str = "default", final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -64,7 +64,7 @@ def _fwd_op(
         cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
-        check_inputs=check_inputs, precision=precision,
+        check_inputs=check_inputs, precision=precision, final_state_dtype=final_state_dtype,
     )
     return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
 
@@ -72,10 +72,12 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              output_final_state, checkpoint_every, check_inputs, precision="default"):
+              output_final_state, checkpoint_every, check_inputs, precision="default",
+              final_state_dtype=None):
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
-        ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
+        ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first),
+                         dtype=_core.resolve_final_state_dtype(initial_state, state_indices, final_state_dtype))
     else:
         ht = _empty(q)
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
@@ -118,7 +120,8 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
           if use_gate_in_kernel and A_log is not None else _empty(q))
     ddt = (dt_bias.new_empty(tuple(dt_bias.shape), dtype=torch.float32)
            if use_gate_in_kernel and dt_bias is not None else _empty(q))
-    dh0 = (q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first), dtype=torch.float32)
+    dh0 = (q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first),
+                       dtype=_core.grad_state_dtype(initial_state))
            if need_dh0 and initial_state is not None else _empty(q))
     return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
             torch.empty_like(v, memory_format=c), torch.empty_like(g, memory_format=c),
@@ -127,13 +130,13 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 
 # ---- autograd -------------------------------------------------------------------------------
 
-_N_FWD_ARGS = 19
+_N_FWD_ARGS = 20
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
-     _precision) = inputs
+     _precision, _final_state_dtype) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs)
@@ -256,11 +259,12 @@ def chunk_gated_delta_rule(
     cp_context=None,
     check_inputs: bool = False,
     precision: str = "default",
+    final_state_dtype: Optional[torch.dtype] = None,
     **kwargs,
 ):
     r"""Gated delta rule, chunked: FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
 
-    Per sequence and value head, with state ``S`` (K x V, float32):
+    Per sequence and value head, with state ``S`` (K x V, float32 during the recurrence):
     ``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
 
     Args:
@@ -270,9 +274,13 @@ def chunk_gated_delta_rule(
             ``use_gate_in_kernel`` the raw activation ``a`` (``g = -exp(A_log) * softplus(a + dt_bias)``).
         beta: ``[B, T, Hv]`` float32 or bfloat16.
         scale: default ``K ** -0.5``.
-        initial_state: ``[N, Hv, K, V]`` float32 (``[N, Hv, V, K]`` with ``state_v_first``);
-            with ``state_indices`` a pool ``[P, Hv, K, V]``.
-        output_final_state: return the final state ``[N, Hv, K, V]`` float32.
+        initial_state: ``[N, Hv, K, V]`` float32, bfloat16 or float16 (``[N, Hv, V, K]`` with
+            ``state_v_first``); with ``state_indices`` a pool ``[P, Hv, K, V]``, read and written
+            in its own dtype. Converted to float32 on load (exact); its gradient has its dtype.
+        output_final_state: return the final state ``[N, Hv, K, V]``, in ``final_state_dtype``:
+            by default the initial state's dtype, float32 without an initial state (FLA 0.6
+            always returns float32: pass ``final_state_dtype=torch.float32`` for that). Rounded
+            to nearest even from the float32 state.
         use_qk_l2norm_in_kernel: L2-normalise q and k per token inside the kernel.
         cu_seqlens: ``[N + 1]`` int32/int64 (``B == 1``): N sequences packed along T.
 
@@ -290,11 +298,15 @@ def chunk_gated_delta_rule(
             as None. Inference only (no autograd).
         checkpoint_every: 0, or a multiple of 64: also return the state after every
             ``checkpoint_every`` tokens of each sequence, as a third return value
-            ``checkpoints`` ``[B * (T // checkpoint_every), Hv, K, V]`` float32: sequence ``n``'s
-            ``j``-th checkpoint (after ``(j + 1) * checkpoint_every`` of its tokens) is row
-            ``offset_n + j`` with ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
+            ``checkpoints`` ``[B * (T // checkpoint_every), Hv, K, V]`` float32 (whatever the
+            state dtypes): sequence ``n``'s ``j``-th checkpoint (after
+            ``(j + 1) * checkpoint_every`` of its tokens) is row ``offset_n + j`` with
+            ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
             (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
             Checkpoints are not differentiable.
+        final_state_dtype: None (the rule above), torch.float32, torch.bfloat16 or torch.float16:
+            the dtype of the returned final state. Must be None with ``state_indices`` (the pool
+            keeps its dtype).
         precision: the CUDA forward's arithmetic: ``"default"`` (the fastest scheme whose error
             stays at or below the peers'), ``"fast"`` (every tensor-core operand one 16-bit
             value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
@@ -353,6 +365,7 @@ def chunk_gated_delta_rule(
     check_inputs = _core._flag("check_inputs", check_inputs)
     checkpoint_every = _core._index("checkpoint_every", checkpoint_every, lo=0)
     _core._precision(precision)
+    _core.resolve_final_state_dtype(initial_state, state_indices, final_state_dtype)  # validates it
     scale = _core._scale(scale)  # None: 1/sqrt(K), from the library (which refuses K = 0)
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:
@@ -404,7 +417,8 @@ def chunk_gated_delta_rule(
     o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-        output_final_state and state_indices is None, checkpoint_every, check_inputs, precision)
+        output_final_state and state_indices is None, checkpoint_every, check_inputs, precision,
+        final_state_dtype)
     final_state = ht if output_final_state and state_indices is None else None
     if checkpoint_every > 0:
         return o, final_state, ckpt

@@ -8,8 +8,9 @@
 // at most u in relative L2, so this bound is what float32 arithmetic plus the final rounding can
 // give. For rounded outputs we additionally require the error against the oracle's output
 // rounded the same way to stay below u / 4 (that catches a systematic error of size ~u that the
-// first bound would let through). States (final, checkpoints, dh0) and dA_log / ddt_bias are
-// always float32.
+// first bound would let through). The final state and dh0 are stored in their Spec dtypes
+// (fp32, or bf16 / fp16: then the state is rounded once, on store, and the same two bounds
+// apply with that dtype's u); checkpoints and dA_log / ddt_bias are always float32.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -67,6 +68,10 @@ inline void expect_cpu_matches_oracle(Case& c, ErrorSummary& errors) {
   auto states = [&](const HostBuffer& b, int64_t rows) {
     return state_dense(b, rows, s.Hv, s.K, s.V, s.v_first);
   };
+  // A state output's key names its storage dtype when it is not float32.
+  auto state_key = [](const std::string& what, fgdn_dtype dt) {
+    return dt == FGDN_FLOAT32 ? what : what + "[" + dtype_name(dt) + "]";
+  };
 
   // ---- forward
   FwdArgs fa = c.fwd_args();
@@ -78,10 +83,10 @@ inline void expect_cpu_matches_oracle(Case& c, ErrorSummary& errors) {
       // the final state of sequence n is in pool row idx[n]; rows no sequence writes (and the
       // rows of sequences with a negative index) are bitwise unchanged
       const PoolFinalStates p = pool_final_states(c, ro.ht);
-      close("ht", p.got, p.want, FGDN_FLOAT32);
+      close(state_key("ht", s.h0_dt), p.got, p.want, s.h0_dt);  // the pool's dtype
       expect_unwritten_rows_unchanged(c, p.written, h0_before);
     } else {
-      close("ht", states(c.ht, N), ro.ht, FGDN_FLOAT32);
+      close(state_key("ht", s.ht_dt), states(c.ht, N), ro.ht, s.ht_dt);
     }
   }
   if (s.checkpoint_every > 0)
@@ -101,7 +106,7 @@ inline void expect_cpu_matches_oracle(Case& c, ErrorSummary& errors) {
   close("dbeta", c.dbeta.to_double(), rg.dbeta, s.beta_dt);
   if (s.h0) {
     const std::vector<double> dh0 = states(c.dh0, N);
-    close("dh0", dh0, rg.dh0, FGDN_FLOAT32);
+    close(state_key("dh0", s.dh0_dt), dh0, rg.dh0, s.dh0_dt);
     if (s.state_indices) {  // a sequence with a negative index has zero dh0
       for (int64_t n = 0; n < N; ++n) {
         if (c.idx[static_cast<size_t>(n)] >= 0) continue;

@@ -157,6 +157,42 @@ std::vector<ft::Spec> all_cases() {
     s.l2norm = true;
     add(s);
   }
+
+  // States in bf16 / fp16 (initial, final, d_final_state, dh0), each in its own dtype: read
+  // exactly, rounded once on store (the oracle sees the same rounded inputs)
+  for (fgdn_dtype sdt : {FGDN_BFLOAT16, FGDN_FLOAT16}) {
+    const std::string d = sdt == FGDN_BFLOAT16 ? "bf16" : "fp16";
+    add(ft::with_state_dtype(with_states(dense("state_" + d + "_T130_Hq2_Hv4", 1, 130, 2, 4, 64, 64)), sdt));
+    add(ft::with_state_dtype(with_states(dense("state_" + d + "_T0", 2, 0, 1, 2, 64, 64)), sdt));
+    ft::Spec s = ft::with_state_dtype(with_states(varlen("state_" + d + "_varlen_edge_qkv_bf16", cu_edge, 2, 4, 64, 128)), sdt);
+    s.dt = FGDN_BFLOAT16;
+    s.l2norm = true;
+    s.gate_in_kernel = true;
+    add(s);
+    // a pool in the state dtype, V-major ([P, Hv, V, K], vLLM's layout), K != V, read and
+    // written in place; checkpoints stay float32
+    s = ft::with_state_dtype(with_states(varlen("pool_" + d + "_vfirst_K128_V64", cu_edge, 1, 2, 128, 64)), sdt);
+    s.dt = FGDN_BFLOAT16;
+    s.state_indices = true;
+    s.v_first = true;
+    s.checkpoint_every = 64;
+    add(s);
+  }
+  {  // every state tensor in a different dtype
+    ft::Spec s = with_states(dense("state_mixed_dtypes", 2, 100, 1, 2, 64, 64));
+    s.h0_dt = FGDN_BFLOAT16;
+    s.ht_dt = FGDN_FLOAT32;
+    s.dht_dt = FGDN_FLOAT16;
+    s.dh0_dt = FGDN_FLOAT32;
+    add(s);
+    s.name = "state_mixed_dtypes_2";
+    s.h0_dt = FGDN_FLOAT32;
+    s.ht_dt = FGDN_FLOAT16;
+    s.dht_dt = FGDN_BFLOAT16;
+    s.dh0_dt = FGDN_BFLOAT16;
+    s.v_first = true;
+    add(s);
+  }
   return v;
 }
 

@@ -100,6 +100,25 @@ std::vector<ft::Spec> all_cases() {
     s.dt_bias = false;
     add(s);
   }
+  // States in bf16 / fp16: h0 (and dh0, in h0's dtype as autograd needs), d_final_state; a bf16
+  // V-major pool read through state_indices
+  {
+    ft::Spec s = ft::with_state_dtype(with_states(dense_d("T300_Hq2_Hv4_D128_h0_bf16", 1, 300, 2, 4, 128)),
+                                      FGDN_BFLOAT16);
+    add(s);
+    s = ft::with_state_dtype(with_states(varlen_d("varlen_edge_D64_h0_fp16", cu_edge, 2, 4, 64)),
+                             FGDN_FLOAT16);
+    s.l2norm = true;
+    add(s);
+    s = ft::with_state_dtype(with_states(varlen_d("varlen_pool_bf16_vfirst_D128", cu_edge, 1, 2, 128)),
+                             FGDN_BFLOAT16);
+    s.state_indices = true;
+    s.v_first = true;
+    add(s);
+    s = with_states(dense_d("T200_D64_h0_bf16_dht_fp32_dh0_fp32", 2, 200, 1, 2, 64));
+    s.h0_dt = FGDN_BFLOAT16;
+    add(s);
+  }
   return v;
 }
 

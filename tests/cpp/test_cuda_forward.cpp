@@ -138,6 +138,32 @@ std::vector<ft::Spec> all_cases() {
     s.precision = FGDN_PRECISION_FAST;
     add(s);
   }
+  // States in bf16 / fp16: initial and final state, a pool (V-major, vLLM's layout) read and
+  // written in place, each in its own dtype; checkpoints float32 beside them
+  for (fgdn_dtype sdt : {FGDN_BFLOAT16, FGDN_FLOAT16}) {
+    const std::string d = sdt == FGDN_BFLOAT16 ? "bf16" : "fp16";
+    ft::Spec s = ft::with_state_dtype(with_h0(dense_d("bf16_state_" + d + "_T1000_Hq2_Hv8_D128", 1, 1000, 2, 8, 128)), sdt);
+    add(s);
+    s = ft::with_state_dtype(with_h0(varlen_d("bf16_pool_" + d + "_vfirst_D128", cu_edge, 2, 4, 128)), sdt);
+    s.state_indices = true;
+    s.v_first = true;
+    s.checkpoint_every = 64;
+    add(s);
+    s = ft::with_state_dtype(with_h0(varlen_d("fp16_pool_" + d + "_vfirst_D64_high", cu_edge, 1, 2, 64, FGDN_FLOAT16)), sdt);
+    s.state_indices = true;
+    s.v_first = true;
+    s.precision = FGDN_PRECISION_HIGH;
+    add(s);
+  }
+  {
+    ft::Spec s = with_h0(dense_d("bf16_h0_bf16_ht_fp32_D64", 2, 300, 2, 4, 64));
+    s.h0_dt = FGDN_BFLOAT16;
+    add(s);
+    s = with_h0(dense_d("bf16_h0_fp32_ht_fp16_high_D128", 1, 300, 1, 2, 128));
+    s.ht_dt = FGDN_FLOAT16;
+    s.precision = FGDN_PRECISION_HIGH;
+    add(s);
+  }
   return v;
 }
 

@@ -249,17 +249,17 @@ inline ErrorSummary& add_error_summary(const std::string& title, int key_width =
   return *e;
 }
 
-// ---- states: dense [R, Hv, K, V] doubles <-> fp32 buffers in either layout ----------------
+// ---- states: dense [R, Hv, K, V] doubles <-> buffers of a state dtype in either layout ------
 
 inline HostBuffer state_buffer(const std::vector<double>& dense, int64_t R, int64_t Hv, int64_t K,
-                               int64_t V, bool v_first) {
-  if (!v_first) return HostBuffer::from(dense, FGDN_FLOAT32);
+                               int64_t V, bool v_first, fgdn_dtype dt = FGDN_FLOAT32) {
+  if (!v_first) return HostBuffer::from(dense, dt);
   std::vector<double> t(dense.size());
   for (int64_t r = 0; r < R * Hv; ++r)
     for (int64_t i = 0; i < K; ++i)
       for (int64_t j = 0; j < V; ++j)
         t[static_cast<size_t>((r * V + j) * K + i)] = dense[static_cast<size_t>((r * K + i) * V + j)];
-  return HostBuffer::from(t, FGDN_FLOAT32);
+  return HostBuffer::from(t, dt);
 }
 inline std::vector<double> state_dense(const HostBuffer& b, int64_t R, int64_t Hv, int64_t K,
                                        int64_t V, bool v_first) {
@@ -305,6 +305,11 @@ struct Spec {
   bool strided = false;       // q, k, v, g, beta, d_o with padded (non-contiguous) strides
   fgdn_dtype cu_dt = FGDN_INT64;   // cu_seqlens
   fgdn_dtype idx_dt = FGDN_INT32;  // state_indices
+  // State dtypes (fp32 | bf16 | fp16): initial state (or pool), final state, its gradient, dh0.
+  fgdn_dtype h0_dt = FGDN_FLOAT32;
+  fgdn_dtype ht_dt = FGDN_FLOAT32;
+  fgdn_dtype dht_dt = FGDN_FLOAT32;
+  fgdn_dtype dh0_dt = FGDN_FLOAT32;
   uint64_t seed = 1;
 
   int64_t N() const { return cu.empty() ? B : static_cast<int64_t>(cu.size()) - 1; }
@@ -356,6 +361,11 @@ inline Spec with_h0(Spec s) {
 inline Spec with_states(Spec s) {
   s.h0 = true;
   s.dht = true;
+  return s;
+}
+// Every state tensor (initial, final, their gradients) stored in dt.
+inline Spec with_state_dtype(Spec s, fgdn_dtype dt) {
+  s.h0_dt = s.ht_dt = s.dht_dt = s.dh0_dt = dt;
   return s;
 }
 
@@ -441,7 +451,7 @@ struct Case {
       if (s.state_indices) {
         // pool of N + 2 rows; sequence n reads row idx[n] (a permutation), the last sequence -1
         P = N + 2;
-        pool = round_vec(rng.normals(P * Hv * K * V, 0.5), FGDN_FLOAT32);
+        pool = round_vec(rng.normals(P * Hv * K * V, 0.5), s.h0_dt);
         std::vector<int64_t> rows(static_cast<size_t>(P));
         for (int64_t r = 0; r < P; ++r) rows[static_cast<size_t>(r)] = r;
         std::shuffle(rows.begin(), rows.end(), rng.gen);
@@ -454,17 +464,17 @@ struct Case {
           std::copy(pool.begin() + r * Hv * K * V, pool.begin() + (r + 1) * Hv * K * V,
                     ri.h0.begin() + n * Hv * K * V);
         }
-        h0 = state_buffer(pool, P, Hv, K, V, s.v_first);
+        h0 = state_buffer(pool, P, Hv, K, V, s.v_first, s.h0_dt);
         idx_buf = HostBuffer::from_index(idx, s.idx_dt);
       } else {
-        ri.h0 = round_vec(rng.normals(N * Hv * K * V, 0.5), FGDN_FLOAT32);
-        h0 = state_buffer(ri.h0, N, Hv, K, V, s.v_first);
+        ri.h0 = round_vec(rng.normals(N * Hv * K * V, 0.5), s.h0_dt);
+        h0 = state_buffer(ri.h0, N, Hv, K, V, s.v_first, s.h0_dt);
       }
     }
     d_o = round_vec(rng.normals(BT * Hv * V), s.dt);
     if (s.dht) {
-      d_ht = round_vec(rng.normals(N * Hv * K * V, 0.1), FGDN_FLOAT32);
-      d_ht_buf = state_buffer(d_ht, N, Hv, K, V, s.v_first);
+      d_ht = round_vec(rng.normals(N * Hv * K * V, 0.1), s.dht_dt);
+      d_ht_buf = state_buffer(d_ht, N, Hv, K, V, s.v_first, s.dht_dt);
     }
 
     // storage
@@ -486,8 +496,8 @@ struct Case {
   // states back into it, so a following backward needs it restored.
   void reset_initial_state() {
     if (!s.h0) return;
-    h0 = s.state_indices ? state_buffer(pool, P, s.Hv, s.K, s.V, s.v_first)
-                         : state_buffer(ri.h0, s.N(), s.Hv, s.K, s.V, s.v_first);
+    h0 = s.state_indices ? state_buffer(pool, P, s.Hv, s.K, s.V, s.v_first, s.h0_dt)
+                         : state_buffer(ri.h0, s.N(), s.Hv, s.K, s.V, s.v_first, s.h0_dt);
   }
 
   // A [B*T, row] tensor stored with `pad` extra elements after every token row.
@@ -556,7 +566,7 @@ struct Case {
     if (s.final_state) {
       a.output_final_state = 1;
       if (!s.state_indices) {
-        ht = HostBuffer(FGDN_FLOAT32, N * s.Hv * s.K * s.V);
+        ht = HostBuffer(s.ht_dt, N * s.Hv * s.K * s.V);
         ht.fill_bytes(0x7f);
         a.final_state = state_tensor(ht, N);
       }
@@ -600,7 +610,7 @@ struct Case {
       }
     }
     if (s.h0) {
-      dh0 = HostBuffer(FGDN_FLOAT32, N * s.Hv * s.K * s.V);
+      dh0 = HostBuffer(s.dh0_dt, N * s.Hv * s.K * s.V);
       dh0.fill_bytes(0x7f);
       a.dh0 = state_tensor(dh0, N);
     }
@@ -646,7 +656,7 @@ inline void zero_dh0_of_unindexed(const Case& c, reference::Grads& rg) {
 // Every pool row of c.h0 not written is bitwise as it was `before` the call.
 inline void expect_unwritten_rows_unchanged(const Case& c, const std::vector<char>& written,
                                             const std::vector<unsigned char>& before) {
-  const size_t row_bytes = static_cast<size_t>(c.s.Hv * c.s.K * c.s.V) * 4;
+  const size_t row_bytes = static_cast<size_t>(c.s.Hv * c.s.K * c.s.V) * dtype_size(c.h0.dtype);
   for (int64_t r = 0; r < c.P; ++r) {
     if (written[static_cast<size_t>(r)]) continue;
     EXPECT_EQ(0, std::memcmp(c.h0.bytes.data() + r * row_bytes, before.data() + r * row_bytes,

@@ -91,8 +91,11 @@ std::vector<Case> cases() {
           {"'initial_state'", "[N=2, Hv=4, K=16, V=32]", "got shape [2, 4, 32, 32]"});
   in_case("initial_state_v_first_shape", [](fgdn_inputs& in) { in.state_v_first = 1; },
           {"'initial_state'", "[N=2, Hv=4, V=32, K=16]"});
-  in_case("initial_state_dtype", [](fgdn_inputs& in) { in.initial_state.dtype = FGDN_BFLOAT16; },
-          {"'initial_state'", "dtype float32", "bfloat16"});
+  // States: float32, bfloat16 or float16, each in its own dtype; nothing else.
+  in_case("initial_state_dtype_int32", [](fgdn_inputs& in) { in.initial_state.dtype = FGDN_INT32; },
+          {"'initial_state'", "dtype float32 or bfloat16 or float16", "got dtype int32"});
+  in_case("initial_state_dtype_unknown", [](fgdn_inputs& in) { in.initial_state.dtype = 9; },
+          {"'initial_state'", "dtype float32 or bfloat16 or float16", "unknown dtype code 9"});
   // A pool written back (forward with output_final_state, final_state then absent) or only
   // read (backward): out-of-range rows are refused in both, duplicate rows where written.
   auto pool_case = [&](const char* name, bool backward, std::function<void(fgdn_inputs&)> m,
@@ -107,6 +110,17 @@ std::vector<Case> cases() {
                 in.state_indices = host_tensor(idx, FGDN_INT64, {2});
               },
               {"'state_indices'", "below the pool size P=2", "state_indices[1]=2"});
+  for (bool backward : {false, true})  // refused in the workspace queries too
+    c.push_back({backward ? "pool_dtype_int64_backward" : "pool_dtype_int64", backward,
+                 [](Fixture& f) {
+                   apply_inputs(f, [](fgdn_inputs& in) {
+                     static int64_t idx[] = {1, 0};
+                     in.state_indices = host_tensor(idx, FGDN_INT64, {2});
+                     in.initial_state.dtype = FGDN_INT64;
+                   });
+                   f.fa.final_state = fgdn_tensor_none();
+                 },
+                 {"'initial_state'", "dtype float32 or bfloat16 or float16", "got dtype int64"}});
   pool_case("state_indices_duplicate", false, [](fgdn_inputs& in) {
               static int32_t idx[] = {1, 1};
               in.state_indices = host_tensor(idx, FGDN_INT32, {2});
@@ -142,6 +156,18 @@ std::vector<Case> cases() {
       {"'final_state'", "none"});
   fwd("final_state_unrequested", [](Fixture& f) { f.fa.output_final_state = 0; },
       {"'final_state'", "output_final_state is 0"});
+  fwd("final_state_dtype_int64", [](Fixture& f) { f.fa.final_state.dtype = FGDN_INT64; },
+      {"'final_state'", "dtype float32 or bfloat16 or float16", "got dtype int64"});
+  fwd("checkpoints_bf16", [](Fixture& f) {  // checkpoints are float32 whatever the state dtypes
+        f.fa.in.cu_seqlens = fgdn_tensor_none();
+        f.fa.in.initial_state.shape[0] = 1;
+        f.fa.in.initial_state.dtype = FGDN_BFLOAT16;
+        f.fa.final_state.shape[0] = 1;
+        f.fa.final_state.dtype = FGDN_BFLOAT16;
+        f.fa.checkpoint_every = 64;
+        f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
+      },
+      {"'checkpoints'", "dtype float32", "got dtype bfloat16"});
   fwd("checkpoint_every_not_64", [](Fixture& f) { f.fa.checkpoint_every = 48; },
       {"'checkpoint_every'", "multiple of 64", "48"});
   fwd("precision_unknown", [](Fixture& f) { f.fa.precision = 3; },
@@ -187,6 +213,12 @@ std::vector<Case> cases() {
   bwd("dbeta_shape", [](Fixture& f) { f.ba.dbeta.shape[1] = 69; }, {"'dbeta'", "[B=1, T=70, Hv=4]"});
   bwd("d_final_state_shape", [](Fixture& f) { f.ba.d_final_state.shape[0] = 3; },
       {"'d_final_state'", "[N=2, Hv=4, K=16, V=32]"});
+  bwd("d_final_state_dtype_int32", [](Fixture& f) { f.ba.d_final_state.dtype = FGDN_INT32; },
+      {"'d_final_state'", "dtype float32 or bfloat16 or float16", "got dtype int32"});
+  bwd("dh0_dtype_int64", [](Fixture& f) { f.ba.dh0.dtype = FGDN_INT64; },
+      {"'dh0'", "dtype float32 or bfloat16 or float16", "got dtype int64"});
+  bwd("dh0_dtype_unknown", [](Fixture& f) { f.ba.dh0.dtype = -1; },
+      {"'dh0'", "dtype float32 or bfloat16 or float16", "unknown dtype code -1"});
   bwd("dh0_without_initial_state", [](Fixture& f) { f.ba.in.initial_state = fgdn_tensor_none(); },
       {"'dh0'", "initial_state is not given"});
   bwd("dA_log_missing", [](Fixture& f) {

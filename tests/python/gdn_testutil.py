@@ -258,6 +258,16 @@ def check(name: str, x, ref: np.ndarray, c: Case, bound: float, sliced: Optional
     return err
 
 
+def loss_and_grads(fn, leaves):
+    """[loss, grad of each leaf] of loss = fn(*leaves), gradients cleared first (eager or compiled
+    fn alike)."""
+    for x in leaves:
+        x.grad = None
+    loss = fn(*leaves)
+    loss.backward()
+    return [loss.detach()] + [x.grad.clone() for x in leaves]
+
+
 def nan_like(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return torch.full(tuple(shape if shape is not None else x.shape), float("nan"),
                       dtype=dtype or x.dtype, device=x.device)

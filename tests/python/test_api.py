@@ -391,7 +391,7 @@ def _bad_variants(c):
         ("k", dict(k=c.k.half())),
         ("v", dict(v=c.v[:, :, :3])),
         ("initial_state", dict(initial_state=c.initial_state[:, :, :, :16])),
-        ("initial_state", dict(initial_state=c.initial_state.half())),
+        ("initial_state", dict(initial_state=c.initial_state.to(torch.int32))),
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, 40, T], dtype=torch.int32))),
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, 80, T - 1], dtype=torch.int32))),
         ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 50, T], dtype=torch.float32))),

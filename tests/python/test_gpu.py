@@ -13,8 +13,8 @@ import torch
 import flashgdn
 from flashgdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flashgdn.reference import reference_forward
-from gdn_testutil import (OPTIONS, bounds_for, check, check_all, lowlevel_fwd_bwd, make_case, nan_like,
-                          option_kwargs, oracle_backward, oracle_forward)
+from gdn_testutil import (OPTIONS, bounds_for, check, check_all, loss_and_grads, lowlevel_fwd_bwd, make_case,
+                          nan_like, option_kwargs, oracle_backward, oracle_forward)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -328,16 +328,9 @@ def test_torch_compile_cuda():
                                        **c.kwargs())
         return o.float().square().sum() + ht.square().sum()
 
-    def grads(fn):
-        for x in leaves:
-            x.grad = None
-        loss = fn(*leaves)
-        loss.backward()
-        return [loss.detach()] + [x.grad.clone() for x in leaves]
-
     torch._dynamo.reset()
-    ref = grads(f)
-    got = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    ref = loss_and_grads(f, leaves)
+    got = loss_and_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), leaves)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
