@@ -13,8 +13,8 @@
 //
 //   K K^T, Q K^T (wgmma) -> af, tf   -- barrier --  A in af, P to the local stage (balanced)
 //   -- barrier --  every warp w: T_ww   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors,
-//   warp 0: T rows 0-15 out   -- barrier --  warps 2, 3: T_2L, T_3L, T rows out | warp 1: T rows
-//   16-31 out
+//   warp 0: T rows 0-15 out   -- barrier --  warps 2, 3: X_2, X_3   -- barrier --  warps 2, 3:
+//   T_2L, T_3L, T rows out | warp 1: T rows 16-31 out
 //
 // T and P go to the local ring in the operand type (hi, and lo when split) for the state
 // warpgroups' wgmmas.
@@ -208,8 +208,10 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     }
     named_barrier_sync(kBar, 128);  // T_LL and T_32
 
+    if (warp >= 2) merge_halves_x<Tr::kSplitLocal>(sm, warp, lane);
+    named_barrier_sync(kBar, 128);  // X_2, X_3
     if (warp >= 2) {
-      merge_halves<Tr::kSplitLocal>(sm, warp, lane);
+      merge_halves_t<Tr::kSplitLocal>(sm, warp, lane);
       __syncwarp();
       store_t_rows<Tr>(sm, loc, warp, lane);
     } else if (warp == 1) {

@@ -11,7 +11,7 @@
 // on the tensor cores (mma_tf32.cuh, 1 or 3 TF32 products by precision); the caller separates the
 // steps with barriers of the warpgroup. Intermediate products X go to A's upper triangle, which
 // is never read as A: step 2 at rows of block w - 1, columns of block w; step 3 at rows 0..31,
-// columns 32..63 (X_2 above X_3), shared by warps 2 and 3 through a 64-thread barrier.
+// columns 32..63 (X_2 above X_3).
 #pragma once
 
 #include "sm90/fwd_smem.cuh"
@@ -63,21 +63,21 @@ __device__ __forceinline__ void merge_block_pair(Smem& sm, int w, int lane) {
   store_tf32_tiles<kLdF>(&sm.tf[r1][r0], y, -1.f, lane);
 }
 
-// Step 3 for w in {2, 3}. (Splitting it into column halves over all four warps, with a barrier
-// of the warpgroup between X and T, measured 13% slower: bench/NOTES.md.)
+// Step 3 for w in {2, 3}, in two parts with a barrier of the warpgroup between them (part t reads
+// both X_2 and X_3). (Splitting it over all four warps in column halves measured 13% slower:
+// bench/NOTES.md.)
 template <bool kSplit, class Smem>
-__device__ __forceinline__ void merge_halves(Smem& sm, int w, int lane) {
-  const int r = 16 * w;
-  {
-    float x[4][4] = {};
-    mma_tf32_tiles<kLdF, 4, 4, 0, kSplit>(x, &sm.af[r][0], &sm.tf[0][0], lane);
-    store_tf32_tiles<kLdF>(&sm.af[r - 32][32], x, 1.f, lane);
-  }
-  named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kInverseHalves), 64);
+__device__ __forceinline__ void merge_halves_x(Smem& sm, int w, int lane) {
+  float x[4][4] = {};
+  mma_tf32_tiles<kLdF, 4, 4, 0, kSplit>(x, &sm.af[16 * w][0], &sm.tf[0][0], lane);
+  store_tf32_tiles<kLdF>(&sm.af[16 * w - 32][32], x, 1.f, lane);
+}
+template <bool kSplit, class Smem>
+__device__ __forceinline__ void merge_halves_t(Smem& sm, int w, int lane) {
   float y[4][4] = {};
   if (w == 2) mma_tf32_tiles<kLdF, 2, 4, kNotLower, kSplit>(y, &sm.tf[32][32], &sm.af[0][32], lane);
   else mma_tf32_tiles<kLdF, 4, 4, kNotLower, kSplit>(y, &sm.tf[48][32], &sm.af[0][32], lane);
-  store_tf32_tiles<kLdF>(&sm.tf[r][0], y, -1.f, lane);
+  store_tf32_tiles<kLdF>(&sm.tf[16 * w][0], y, -1.f, lane);
 }
 
 }  // namespace flashgdn::sm90

@@ -60,9 +60,8 @@ struct FwdTraits {
 
 // Named barrier ids (0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
-  kChunkLocal = 1,     // the chunk-local warpgroup's phases
-  kInverseHalves = 2,  // warps 2 and 3 of the chunk-local warpgroup: the inverse's last step
-  kStateBase = 3,      // + state warpgroup index: its output staging
+  kChunkLocal = 1,  // the chunk-local warpgroup's phases
+  kStateBase = 2,   // + state warpgroup index: its output staging
 };
 
 }  // namespace flashgdn::sm90
