@@ -6,6 +6,7 @@
 //
 //   flashgdn_run [--device auto|cpu|cuda] [--T n] [--Hq n] [--Hv n] [--K n] [--iters n]
 //                [--precision default|fast|high[,...]] [--backward 0|1] [--check 0|1]
+//                [--cp auto|on|off] [--cp-segment TOKENS]
 // With several precisions, the forward runs (and is checked) once for each; the backward once.
 #include <algorithm>
 #include <chrono>
@@ -46,6 +47,8 @@ struct Options {
   int64_t T = -1, Hq = 16, Hv = 64, K = 128, iters = 5;
   std::vector<fgdn_precision> precisions{FGDN_PRECISION_DEFAULT};
   bool backward = true, check = true;
+  int32_t cp = FGDN_CONTEXT_PARALLEL_AUTO;
+  int64_t cp_segment = 0;
 };
 
 const char* precision_name(fgdn_precision p) {
@@ -84,6 +87,10 @@ Options parse(int argc, char** argv) {
     else if (k == "--precision") o.precisions = parse_precisions(v);
     else if (k == "--backward") o.backward = std::atoi(v) != 0;
     else if (k == "--check") o.check = std::atoi(v) != 0;
+    else if (k == "--cp") o.cp = std::string(v) == "on" ? FGDN_CONTEXT_PARALLEL_ON
+                               : std::string(v) == "off" ? FGDN_CONTEXT_PARALLEL_OFF
+                                                         : FGDN_CONTEXT_PARALLEL_AUTO;
+    else if (k == "--cp-segment") o.cp_segment = std::atoll(v);
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       std::exit(2);
@@ -272,10 +279,16 @@ int main(int argc, char** argv) {
   bool finite = true;
   for (fgdn_precision prec : opt.precisions) {
     fa.precision = prec;
+    fa.context_parallel = opt.cp;
+    fa.cp_segment = opt.cp_segment;
     double fwd_ms = 0, bwd_ms = 0;
     const bool with_backward = opt.backward && prec == opt.precisions.front();
     try {
-      fwd_ms = time_ms(opt.iters, [&] { flashgdn::forward(fa); });
+      // The workspace allocated once, as a caller that runs many steps does (a null workspace
+      // makes every call allocate and free its own).
+      const size_t ws_bytes = flashgdn::forward_workspace_size(fa);
+      Buffer ws(ws_bytes, fa.o.device_type == FGDN_CUDA && ws_bytes > 0);
+      fwd_ms = time_ms(opt.iters, [&] { flashgdn::forward(fa, ws.ptr(), ws_bytes); });
       if (with_backward) bwd_ms = time_ms(opt.iters, [&] { flashgdn::backward(ba); });
     } catch (const flashgdn::Error& e) {
       std::fprintf(stderr, "flashgdn error: %s\n", e.what());

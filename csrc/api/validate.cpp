@@ -618,6 +618,15 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
     c.fail("precision", "FGDN_PRECISION_DEFAULT (0), FGDN_PRECISION_FAST (1) or FGDN_PRECISION_HIGH (2)",
            std::to_string(a->precision));
   p.precision = static_cast<fgdn_precision>(a->precision);
+  if (a->context_parallel != FGDN_CONTEXT_PARALLEL_AUTO && a->context_parallel != FGDN_CONTEXT_PARALLEL_OFF &&
+      a->context_parallel != FGDN_CONTEXT_PARALLEL_ON)
+    c.fail("context_parallel",
+           "FGDN_CONTEXT_PARALLEL_AUTO (0), FGDN_CONTEXT_PARALLEL_OFF (1) or FGDN_CONTEXT_PARALLEL_ON (2)",
+           std::to_string(a->context_parallel));
+  p.context_parallel = a->context_parallel;
+  if (a->cp_segment < 0 || a->cp_segment % 64 != 0 || a->cp_segment > (int64_t{1} << 30))
+    c.fail("cp_segment", "0 or a positive multiple of 64 up to 2^30", std::to_string(a->cp_segment));
+  p.cp_segment = a->cp_segment;
 
   p.checkpoint_every = a->checkpoint_every;
   if (p.checkpoint_every < 0 || p.checkpoint_every % 64 != 0)

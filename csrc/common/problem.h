@@ -45,6 +45,8 @@ struct Problem {
   fgdn_precision precision = FGDN_PRECISION_DEFAULT;
   bool output_final_state = false;
   int64_t checkpoint_every = 0;
+  int32_t context_parallel = 0;  // fgdn_context_parallel (CUDA forward)
+  int64_t cp_segment = 0;        // tokens per CP segment; 0: the cost model picks
 
   // Backward only.
   bool has_d_final_state = false;

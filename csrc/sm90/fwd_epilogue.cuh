@@ -30,6 +30,19 @@ __device__ __forceinline__ int64_t state_offset(const StateRef& s, int64_t row, 
   return row * s.s0 + h * s.s1 + (v_first ? v * s.s2 + k * s.s3 : k * s.s2 + v * s.s3);
 }
 
+// A CP workspace of states, [slot][Hv][D][D] fp32 ([K][V]: rows k, columns v).
+__device__ __forceinline__ StateRef cp_state_ref(const FwdParams& p, float* data) {
+  StateRef s;
+  const int64_t d = p.state_dim;
+  s.data = data;
+  s.dtype = FGDN_FLOAT32;
+  s.s0 = p.Hv * d * d;
+  s.s1 = d * d;
+  s.s2 = d;
+  s.s3 = 1;
+  return s;
+}
+
 template <int kBlocks>
 __device__ __forceinline__ void load_state(float (&S)[kBlocks][32], const StateRef& src, int64_t row,
                                            int64_t h, int v_first, int sw, int tid) {

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
   if (wg == 0) {
     setmaxnreg_dec<Tr::kProducerRegs>();
     const WorkItem w = fwd_work_item(p);
+    if (!w.active) return;  // a surplus CTA of a CP grid: every role returns alike
     const int warp = tid >> 5;
     if (warp == 0) {
       if ((tid & 31) == 0) fwd_load_tiles<Tr>(p, sm, w);
@@ -63,10 +64,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
   } else if (wg == 1) {
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();
     else setmaxnreg_dec<Tr::kLocalRegs>();
-    fwd_chunk_local<Tr>(p, sm, fwd_work_item(p), tid);
+    const WorkItem w = fwd_work_item(p);
+    if (!w.active) return;
+    fwd_chunk_local<Tr>(p, sm, w, tid);
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
-    fwd_state<Tr>(p, sm, fwd_work_item(p), wg - 2, tid);
+    const WorkItem w = fwd_work_item(p);
+    if (!w.active) return;
+    fwd_state<Tr>(p, sm, w, wg - 2, tid);
   }
 #endif
 }

@@ -1,5 +1,6 @@
 // Host side of the Hopper forward: workspace, kernel parameters from the validated Problem, and
-// the dispatch over (head dim, operand type, precision). One CTA per (sequence, value head).
+// the dispatch over (head dim, operand type, precision). One CTA per (sequence, value head), or
+// with context parallelism the five launches of fwd_context_parallel.h.
 #include "sm90/fwd_launch.h"
 
 #include <cuda_bf16.h>
@@ -10,6 +11,7 @@
 #include "common/dtype.h"
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
+#include "sm90/fwd_context_parallel.h"
 #include "sm90/fwd_instantiate.h"
 #include "sm90/tma.h"
 
@@ -19,14 +21,25 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+int sm_count(int device_id) {
+  int sms = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id));
+  return sms;
+}
+
 // Workspace layout: [checkpoint row offsets (varlen with checkpoints)] [packed q] [packed k]
-// [packed v] (the packed copies only for tensors TMA cannot address as they are).
+// [packed v] (the packed copies only for tensors TMA cannot address as they are), then with
+// context parallelism the plan's tables and the segments' end states and transfer matrices.
 struct Workspace {
-  size_t ckpt = 0, q = 0, k = 0, v = 0, total = 0;
+  size_t ckpt = 0, q = 0, k = 0, v = 0;
+  CpLayout cp;
+  size_t cp_plan = 0, cp_items = 0, cp_slots = 0, cp_splits = 0, cp_warm = 0, cp_ends = 0, cp_trans = 0;
+  size_t total = 0;
 };
 
 Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
   Workspace w;
+  w.cp = cp_layout(p, sm_count(p.device_id));
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -38,6 +51,16 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
   w.q = take(tokens && !tile_map_direct(a.in.q) ? tile_map_packed_bytes(a.in.q) : 0);
   w.k = take(tokens && !tile_map_direct(a.in.k) ? tile_map_packed_bytes(a.in.k) : 0);
   w.v = take(tokens && !tile_map_direct(a.in.v) ? tile_map_packed_bytes(a.in.v) : 0);
+  if (w.cp.enabled) {
+    const CpLayout& c = w.cp;
+    w.cp_plan = take(kPlanWords * sizeof(int32_t));
+    w.cp_items = take(static_cast<size_t>(c.max_items) * sizeof(int4));
+    w.cp_slots = take(static_cast<size_t>(c.max_slots) * sizeof(int4));
+    w.cp_splits = take(static_cast<size_t>(c.max_splits) * sizeof(int4));
+    w.cp_warm = take(static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t));
+    w.cp_ends = take(c.state_bytes);
+    w.cp_trans = take(c.state_bytes);
+  }
   w.total = off;
   return w;
 }
@@ -101,6 +124,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   FwdParams fp{};
   fp.seq = cuda::make_seq_layout(p, a.in);
   fp.Hv = p.Hv;
+  fp.state_dim = p.K;
   fp.group = p.group;
   if (p.B * p.T > 0) {
     const TileMap mq = tile_map(a.in.q, ws, wl.q, stream);
@@ -148,15 +172,43 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     }
   }
 
-  const int64_t items = p.N * p.Hv;
-  const bool bf16 = p.qkv_dtype == FGDN_BFLOAT16;
-  if (p.K == 128) {
-    if (bf16) launch_fwd<128, __nv_bfloat16>(fp, prec, items, stream);
-    else launch_fwd<128, __half>(fp, prec, items, stream);
-  } else {
-    if (bf16) launch_fwd<64, __nv_bfloat16>(fp, prec, items, stream);
-    else launch_fwd<64, __half>(fp, prec, items, stream);
+  auto launch = [&](const FwdParams& f, int64_t ctas) {
+    if (ctas == 0) return;
+    const bool bf16 = p.qkv_dtype == FGDN_BFLOAT16;
+    if (p.K == 128) {
+      if (bf16) launch_fwd<128, __nv_bfloat16>(f, prec, ctas, stream);
+      else launch_fwd<128, __half>(f, prec, ctas, stream);
+    } else {
+      if (bf16) launch_fwd<64, __nv_bfloat16>(f, prec, ctas, stream);
+      else launch_fwd<64, __half>(f, prec, ctas, stream);
+    }
+  };
+  if (!wl.cp.enabled) {
+    launch(fp, p.N * p.Hv);
+    return;
   }
+  // Context parallelism (fwd_context_parallel.h): plan, certificate, phase 1, scan, phase 2.
+  const CpLayout& c = wl.cp;
+  CpTables t;
+  t.plan = reinterpret_cast<int32_t*>(ws + wl.cp_plan);
+  t.items = reinterpret_cast<int4*>(ws + wl.cp_items);
+  t.slots = reinterpret_cast<int4*>(ws + wl.cp_slots);
+  t.splits = reinterpret_cast<int4*>(ws + wl.cp_splits);
+  t.warm = reinterpret_cast<int32_t*>(ws + wl.cp_warm);
+  fp.cp.max_slots = static_cast<int32_t>(c.max_slots);
+  fp.cp.plan = t.plan;
+  fp.cp.items = t.items;
+  fp.cp.slots = t.slots;
+  fp.cp.warm = t.warm;
+  fp.cp.ends = reinterpret_cast<float*>(ws + wl.cp_ends);
+  fp.cp.trans = reinterpret_cast<float*>(ws + wl.cp_trans);
+  launch_cp_plan(c, fp, t, stream);
+  launch_cp_certify(c, fp, t, stream);
+  fp.cp.phase = 1;
+  launch(fp, (c.max_slots + c.max_items) * p.Hv);
+  launch_cp_scan(c, fp, t, stream);
+  fp.cp.phase = 2;
+  launch(fp, c.max_slots * p.Hv);
 }
 
 }  // namespace flashgdn::sm90

@@ -47,6 +47,21 @@ __device__ __forceinline__ void fwd_load_tiles(const FwdParams& p, FwdSmem<Tr>& 
   }
 }
 
+// The gate of token t (within batch row b) of value head h as the kernels use it: the in-kernel
+// gate from the activation when asked for, then the floor (common/numerics.h).
+__device__ __forceinline__ float token_gate(const FwdParams& p, int64_t b, int64_t t, int32_t h) {
+  float x = cuda::load_as_float(p.g, p.g_dtype, b * p.gs0 + t * p.gs1 + h * p.gs2);
+  if (p.gate_in_kernel) {
+    const float dt_bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
+    x = gate_from_activation(x + dt_bias, p.A_log[h]);
+  }
+  return gate_floor(x);
+}
+
+__device__ __forceinline__ float token_beta(const FwdParams& p, int64_t b, int64_t t, int32_t h) {
+  return cuda::load_as_float(p.beta, p.beta_dtype, b * p.bs0 + t * p.bs1 + h * p.bs2);
+}
+
 template <class Tr>
 __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& sm,
                                                const WorkItem& w, int lane) {
@@ -63,13 +78,8 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
       g[u] = b[u] = 0.f;
       if (i < len) {
         const int64_t t = static_cast<int64_t>(w.t0) + j * 64 + i;
-        float x = cuda::load_as_float(p.g, p.g_dtype, w.b * p.gs0 + t * p.gs1 + w.h * p.gs2);
-        if (p.gate_in_kernel) {
-          const float dt_bias = p.dt_bias != nullptr ? p.dt_bias[w.h] : 0.f;
-          x = gate_from_activation(x + dt_bias, p.A_log[w.h]);
-        }
-        g[u] = gate_floor(x);
-        b[u] = cuda::load_as_float(p.beta, p.beta_dtype, w.b * p.bs0 + t * p.bs1 + w.h * p.bs2);
+        g[u] = token_gate(p, w.b, t, w.h);
+        b[u] = token_beta(p, w.b, t, w.h);
       }
     }
     const float pair = g[0] + g[1];

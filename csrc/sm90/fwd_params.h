@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -20,6 +21,20 @@ struct StateRef {
   int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 };
 
+// Intra-card context parallelism (fwd_context_parallel.h): the tables the plan kernel writes on
+// the device and the phase this launch runs. phase 0: no CP (one CTA per (sequence, value head),
+// grid N x Hv).
+struct CpRef {
+  int32_t phase = 0;            // 0 off | 1 first pass | 2 second pass (exact segments)
+  int32_t max_slots = 0;        // grid bound of the slot range (host, shapes only)
+  const int32_t* plan = nullptr;   // [kPlanWords]: chosen chunks per segment, counts
+  const int4* items = nullptr;     // per work item {n, seg, slot or -1, nseg}
+  const int4* slots = nullptr;     // per slot (segment of a split sequence) {n, seg, nseg, first}
+  const int32_t* warm = nullptr;   // [slot x Hv]: warm-up chunks (>= 0) or kExactSegment
+  float* ends = nullptr;           // [slot][Hv][D][D] fp32: segment end states (E / N)
+  float* trans = nullptr;          // [slot][Hv][D][D] fp32: transfer matrices M
+};
+
 struct FwdParams {
   // q, k: [B, T, Hq, K] and v: [B, T, Hv, V] as 4-D TMA maps (dims innermost first: D, H, T, B),
   // box 64 x 1 x 64 x 1, 128-byte swizzle; out-of-range rows read as zero.
@@ -28,6 +43,7 @@ struct FwdParams {
 
   cuda::SeqLayout seq;  // N sequences: dense B x T, or varlen cu_seqlens
   int64_t Hv = 0, group = 1;  // value head h reads q/k head h / group
+  int64_t state_dim = 0;      // K = V
 
   // g, beta: [B, T, Hv] (fp32 | bf16), element strides.
   const void* g = nullptr;
@@ -54,6 +70,8 @@ struct FwdParams {
   StateRef ckpt;                   // checkpoints (data nullptr: none)
   int64_t every = 0;               // checkpoint_every
   const int64_t* ckpt_offset = nullptr;  // varlen: first checkpoint row per sequence [N]
+
+  CpRef cp;
 };
 
 }  // namespace flashgdn::sm90

@@ -1,14 +1,30 @@
-// Work items of the Hopper forward: one (sequence, value head) state chain per CTA, its chunks
-// walked in order by every role. Every role derives the same chunk sequence from the item, so
-// the pipelines need no metadata beyond their barriers.
+// Work items of the Hopper forward: one state chain per CTA (a sequence's, or with context
+// parallelism one segment's, for one value head), its chunks walked in order by every role.
+// Every role derives the same chunk sequence from the item, so the pipelines need no metadata
+// beyond their barriers.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/chunk_index.cuh"
+#include "sm90/fwd_context_parallel.h"
 #include "sm90/fwd_params.h"
 
 namespace flashgdn::sm90 {
+
+// How the state role starts and ends a walk (context parallelism, fwd_context_parallel.h).
+enum StateInit : int32_t {
+  kInitH0 = 0,        // the caller's initial state (h0 or the pool row; zero when absent)
+  kInitZero = 1,      // zero (a segment's local state N, or a warm-up start)
+  kInitIdentity = 2,  // I, with V read as zero: the walk computes the transfer matrix M
+  kInitPrevEnd = 3,   // the true state at the segment's start, from the scan (slot - 1)
+};
+enum StateEnd : int32_t {
+  kEndFinal = 0,  // ht / the pool row, as the parameters ask
+  kEndNone = 1,
+  kEndSlot = 2,   // the segment's end state (fp32) into cp.ends[slot]
+  kEndTrans = 3,  // the transfer matrix M into cp.trans[slot]
+};
 
 // 32-bit fields: the CUDA backend takes T < 2^31 tokens per batch row (TMA coordinates are
 // 32-bit), so every token index and count fits.
@@ -17,9 +33,16 @@ struct WorkItem {
   int32_t h;        // value head
   int32_t hq;       // its q/k head
   int32_t b;        // batch row
-  int32_t t0;       // first token (within the batch row)
-  int32_t len;      // tokens
+  int32_t t0;       // first token of the walk (within the batch row)
+  int32_t len;      // tokens walked
   int32_t nchunks;  // ceil(len / 64)
+  int32_t out_chunk0;  // first chunk of the walk whose o and checkpoints are written (a
+                       // warm-up walks chunks before it; nchunks: none)
+  int32_t seq_chunk0;  // the walk's first chunk, counted within its sequence
+  int32_t init;        // StateInit
+  int32_t end;         // StateEnd
+  int32_t slot;        // CP slot (segment of a split sequence), -1 otherwise
+  bool active;         // false: a surplus CTA of a CP grid (nothing to do)
 
   // Tokens of chunk j (1..64).
   __device__ __forceinline__ int chunk_len(int32_t j) const {
@@ -28,19 +51,76 @@ struct WorkItem {
   }
 };
 
-// Item of this CTA: value heads of one sequence are adjacent, so CTAs that share q/k (GVA)
-// run together and share those loads through L2.
+// Item of this CTA. Without CP: one (sequence, value head) per CTA, the value heads of one
+// sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those loads through
+// L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
+//   phase 1: CTAs [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
+//            rest run the plan's items: whole sequences, first segments (from h0), warm-up
+//            segments (from zero, W chunks early) and the local states N of exact segments;
+//   phase 2: exact segments again, from the scanned true start state, writing o.
 __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
   WorkItem w;
   const int32_t hv = static_cast<int32_t>(p.Hv);
-  w.n = static_cast<int32_t>(blockIdx.x / hv);
+  int32_t unit = static_cast<int32_t>(blockIdx.x / hv);
   w.h = static_cast<int32_t>(blockIdx.x % hv);
   w.hq = w.h / static_cast<int32_t>(p.group);
+  w.out_chunk0 = 0;
+  w.seq_chunk0 = 0;
+  w.init = kInitH0;
+  w.end = kEndFinal;
+  w.slot = -1;
+  w.active = true;
+  int32_t seg = 0;
+  bool trans = false;
+  if (p.cp.phase != 0) {
+    int4 u;
+    if (p.cp.phase == 1 && unit >= p.cp.max_slots) {
+      unit -= p.cp.max_slots;
+      w.active = unit < p.cp.plan[kPlanItems];
+      u = w.active ? p.cp.items[unit] : make_int4(0, 0, -1, 1);
+      w.slot = u.z;
+    } else {
+      w.active = unit < p.cp.plan[kPlanSlots];
+      u = w.active ? p.cp.slots[unit] : make_int4(0, 0, 1, 0);
+      w.slot = unit;
+      trans = p.cp.phase == 1;
+    }
+    unit = u.x;
+    seg = u.y;
+  }
+  w.n = unit;
   const cuda::SeqInfo si = cuda::seq_info(p.seq, w.n);
   w.b = static_cast<int32_t>(si.b);
-  w.t0 = static_cast<int32_t>(si.t0);
-  w.len = static_cast<int32_t>(si.len);
+  int32_t begin = 0, finish = static_cast<int32_t>(si.len);
+  if (w.slot >= 0 && w.active) {
+    const int32_t seg_tokens = 64 * p.cp.plan[kPlanChunks];
+    begin = seg * seg_tokens;
+    finish = min(finish, begin + seg_tokens);
+    const int32_t warm = seg == 0 ? 0 : p.cp.warm[w.slot * hv + w.h];
+    const bool exact = seg > 0 && warm == kExactSegment;
+    if (trans || p.cp.phase == 2) {
+      w.active = exact;  // M, and the second pass, only for exact segments
+      w.init = trans ? kInitIdentity : kInitPrevEnd;
+      w.end = trans ? kEndTrans : kEndNone;
+      if (trans) w.out_chunk0 = INT32_MAX;
+    } else {
+      w.end = kEndSlot;
+      if (seg > 0) {
+        w.init = kInitZero;
+        if (exact) {
+          w.out_chunk0 = INT32_MAX;  // N only; o comes from the second pass
+        } else {
+          begin -= 64 * warm;
+          w.out_chunk0 = warm;
+        }
+      }
+    }
+  }
+  w.t0 = static_cast<int32_t>(si.t0) + begin;
+  w.len = w.active ? finish - begin : 0;
+  w.seq_chunk0 = begin / 64;
   w.nchunks = (w.len + 63) / 64;
+  w.out_chunk0 = min(w.out_chunk0, w.nchunks);
   return w;
 }
 

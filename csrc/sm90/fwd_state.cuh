@@ -68,10 +68,20 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
 
   // ---- initial state ---------------------------------------------------------------------
   int64_t h0_row = -1;
-  if (p.h0.data != nullptr)
+  if (p.h0.data != nullptr && w.init == kInitH0)
     h0_row = p.state_idx != nullptr ? cuda::load_index(p.state_idx, p.state_idx_dtype, w.n) : w.n;
   float S[kB][32];
-  load_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
+  if (w.init == kInitH0) {
+    load_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
+  } else if (w.init == kInitPrevEnd) {
+    load_state(S, cp_state_ref(p, p.cp.ends), w.slot - 1, w.h, 0, sw, tid);
+  } else {
+    const bool identity = w.init == kInitIdentity;
+    for_each_state(S, sw, tid, [&](float& s, int k, int v) { s = identity && k == v ? 1.f : 0.f; });
+  }
+  // The transfer matrix's walk reads V as zero: S_C = M S_0 + N is linear in (S_0, V), and
+  // from S_0 = I with V = 0 the walk ends at M.
+  const float vscale = w.init == kInitIdentity ? 0.f : 1.f;
   int64_t ck_base = 0;
   if (p.ckpt.data != nullptr)
     ck_base = p.ckpt_offset != nullptr ? p.ckpt_offset[w.n] : w.n * (p.seq.T / p.every);
@@ -130,8 +140,8 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
           const int idx = 4 * jj + 2 * i, t0 = 8 * jj + 2 * q4;
           const float2 f = *reinterpret_cast<const float2*>(&loc.ykf[t0]);
           const float2 b = *reinterpret_cast<const float2*>(&loc.yb[t0]);
-          xk[idx] = t0 < len ? b.x * (vv.x - f.x * xk[idx]) : 0.f;
-          xk[idx + 1] = t0 + 1 < len ? b.y * (vv.y - f.y * xk[idx + 1]) : 0.f;
+          xk[idx] = t0 < len ? b.x * (vscale * vv.x - f.x * xk[idx]) : 0.f;
+          xk[idx + 1] = t0 + 1 < len ? b.y * (vscale * vv.y - f.y * xk[idx + 1]) : 0.f;
         }
       }
 #pragma unroll
@@ -202,20 +212,26 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
       fence_regs(o1);
     }
     // T, P and the factors are consumed; the input stage after the output has left through it
-    // (the stmatrix writes are ordered before the producer's next TMA into the stage).
+    // (the stmatrix writes are ordered before the producer's next TMA into the stage). A
+    // warm-up chunk (before out_chunk0) writes neither o nor checkpoints.
     sm.local_empty[ploc.stage].arrive();
-    if (p.o != nullptr) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid);
+    const bool owned = j >= w.out_chunk0;
+    if (p.o != nullptr && owned) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid);
     fence_proxy_async();
     sm.in_empty[pin.stage].arrive();
-    if (p.ckpt.data != nullptr) {
-      const int64_t done = 64 * (j + 1);
-      if (done <= w.len && done % p.every == 0)
+    if (p.ckpt.data != nullptr && owned && len == 64) {
+      const int64_t done = 64 * static_cast<int64_t>(w.seq_chunk0 + j + 1);
+      if (done % p.every == 0)
         store_state(S, p.ckpt, ck_base + done / p.every - 1, w.h, p.v_first, sw, tid);
     }
   }
 
   // ---- final state ------------------------------------------------------------------------
-  if (p.write_final) {
+  if (w.end == kEndSlot) {
+    store_state(S, cp_state_ref(p, p.cp.ends), w.slot, w.h, 0, sw, tid);
+  } else if (w.end == kEndTrans) {
+    store_state(S, cp_state_ref(p, p.cp.trans), w.slot, w.h, 0, sw, tid);
+  } else if (w.end == kEndFinal && p.write_final) {
     if (p.state_idx != nullptr) {
       if (h0_row >= 0) store_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
     } else if (p.ht.data != nullptr) {

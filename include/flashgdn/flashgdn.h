@@ -63,6 +63,17 @@ typedef enum fgdn_precision {
                                  floor of its dtype, about 1.5-2x the time */
 } fgdn_precision;
 
+/* Intra-card context parallelism of the CUDA forward (docs/context-parallel.md): long sequences
+   cut into segments that run on different SMs, their states joined exactly (a transfer-matrix
+   scan) or, where the gate certifies it, by a warm-up start. The CPU backend ignores it. */
+typedef enum fgdn_context_parallel {
+  FGDN_CONTEXT_PARALLEL_AUTO = 0, /* when the shapes may leave SMs idle; the plan on the GPU
+                                     decides whether and where to split (cost model) */
+  FGDN_CONTEXT_PARALLEL_OFF = 1,  /* never: one CTA per (sequence, value head); a sequence's
+                                     bits do not depend on the other sequences of the call */
+  FGDN_CONTEXT_PARALLEL_ON = 2    /* always plan for it (sequences longer than a segment split) */
+} fgdn_context_parallel;
+
 typedef enum fgdn_status {
   FGDN_SUCCESS = 0,
   FGDN_ERROR_INVALID_ARGUMENT = 1, /* a caller's argument was rejected; nothing was written */
@@ -137,6 +148,10 @@ typedef struct fgdn_fwd_args {
      checkpoint_every), the state after (j + 1) * checkpoint_every of its tokens. */
   fgdn_tensor checkpoints;
   int32_t precision; /* fgdn_precision */
+  int32_t context_parallel; /* fgdn_context_parallel */
+  int64_t cp_segment; /* tokens per segment, a positive multiple of 64; 0: the cost model's
+                         choice. Fixing it makes a sequence's bits independent of the call's
+                         other sequences under CP too. */
 } fgdn_fwd_args;
 
 typedef struct fgdn_bwd_args {

@@ -238,6 +238,15 @@ def _precision(value) -> int:
     return PRECISIONS[value]
 
 
+# The C ABI's fgdn_context_parallel codes (docs/context-parallel.md): None is automatic.
+def _context_parallel(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return 2 if value else 1
+    raise ValueError(f"context_parallel: expected None (automatic), True or False, got {value!r}")
+
+
 def chunk_gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -263,6 +272,8 @@ def chunk_gated_delta_rule_fwd(
     check_inputs: bool = False,
     precision: str = "default",
     final_state_dtype: Optional[torch.dtype] = None,
+    context_parallel: Optional[bool] = None,
+    cp_segment: int = 0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
@@ -278,7 +289,10 @@ def chunk_gated_delta_rule_fwd(
     here it has ``checkpoint_rows(B, T, checkpoint_every)`` rows, the rows past the ones written
     (varlen; see ``checkpoint_offsets``) zero. ``check_inputs``: check mode (docs/api.md).
     ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA forward's arithmetic;
-    docs/api.md). Nothing is written when an argument is rejected (ValueError naming it).
+    docs/api.md). ``context_parallel``: None (automatic), True or False, and ``cp_segment``
+    (tokens per segment, a multiple of 64; 0: the cost model's choice): the CUDA forward's
+    intra-card context parallelism (docs/context-parallel.md; the CPU ignores them).
+    Nothing is written when an argument is rejected (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -316,6 +330,8 @@ def chunk_gated_delta_rule_fwd(
         output_final_state=output_final_state,
         checkpoint_every=checkpoint_every,
         precision=_precision(precision),
+        context_parallel=_context_parallel(context_parallel),
+        cp_segment=_index("cp_segment", cp_segment, lo=0),
         o=_desc("o", o),
         final_state=_state_desc("final_state", final_state) if want_final else None,
         checkpoints=_desc("checkpoints", checkpoints) if checkpoint_every > 0 else None,

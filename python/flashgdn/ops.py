@@ -57,6 +57,7 @@ def _fwd_op(
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, output_final_state: bool, checkpoint_every: int, check_inputs: bool,
     precision: str = "default", final_state_dtype: Optional[torch.dtype] = None,
+    context_parallel: Optional[bool] = None, cp_segment: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -65,6 +66,7 @@ def _fwd_op(
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
         check_inputs=check_inputs, precision=precision, final_state_dtype=final_state_dtype,
+        context_parallel=context_parallel, cp_segment=cp_segment,
     )
     return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
 
@@ -73,7 +75,7 @@ def _fwd_op(
 def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
               output_final_state, checkpoint_every, check_inputs, precision="default",
-              final_state_dtype=None):
+              final_state_dtype=None, context_parallel=None, cp_segment=0):
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
         ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first),
@@ -130,13 +132,13 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 
 # ---- autograd -------------------------------------------------------------------------------
 
-_N_FWD_ARGS = 20
+_N_FWD_ARGS = 22
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
-     _precision, _final_state_dtype) = inputs
+     _precision, _final_state_dtype, _context_parallel, _cp_segment) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs)
@@ -181,6 +183,7 @@ def _fwd_pool_op(
     initial_state: Tensor, state_indices: Tensor,
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, checkpoint_every: int, check_inputs: bool, precision: str = "default",
+    context_parallel: Optional[bool] = None, cp_segment: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     o, _, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
@@ -188,6 +191,7 @@ def _fwd_pool_op(
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
         checkpoint_every=checkpoint_every, check_inputs=check_inputs, precision=precision,
+        context_parallel=context_parallel, cp_segment=cp_segment,
     )
     return o, (ckpt if ckpt is not None else _empty(q))
 
@@ -195,7 +199,8 @@ def _fwd_pool_op(
 @_fwd_pool_op.register_fake
 def _fwd_pool_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
                    state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-                   checkpoint_every, check_inputs, precision="default"):
+                   checkpoint_every, check_inputs, precision="default", context_parallel=None,
+                   cp_segment=0):
     o = q.new_empty(tuple(v.shape))
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
             if checkpoint_every > 0 else _empty(q))
@@ -260,6 +265,8 @@ def chunk_gated_delta_rule(
     check_inputs: bool = False,
     precision: str = "default",
     final_state_dtype: Optional[torch.dtype] = None,
+    context_parallel: Optional[bool] = None,
+    cp_segment: int = 0,
     **kwargs,
 ):
     r"""Gated delta rule, chunked: FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
@@ -311,6 +318,12 @@ def chunk_gated_delta_rule(
             stays at or below the peers'), ``"fast"`` (every tensor-core operand one 16-bit
             value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
             of its dtype, slower). The CPU backend always computes in float32.
+        context_parallel: the CUDA forward's intra-card context parallelism
+            (docs/context-parallel.md): None (automatic: when the shapes may leave SMs idle, a
+            plan on the GPU decides whether and where to split), True (always plan for it) or
+            False (never; a sequence's bits then do not depend on the call's other sequences).
+        cp_segment: tokens per segment (a multiple of 64), 0 for the cost model's choice; a fixed
+            value also makes a sequence's bits independent of the other sequences under CP.
         check_inputs: check mode: before anything is written, verify the inputs' values (finite,
             ``g <= 0`` as a log gate, state indices in range and distinct where written,
             ``cu_seqlens`` equal to its host copy) at the cost of one host synchronisation;
@@ -365,6 +378,8 @@ def chunk_gated_delta_rule(
     check_inputs = _core._flag("check_inputs", check_inputs)
     checkpoint_every = _core._index("checkpoint_every", checkpoint_every, lo=0)
     _core._precision(precision)
+    _core._context_parallel(context_parallel)
+    cp_segment = _core._index("cp_segment", cp_segment, lo=0)
     _core.resolve_final_state_dtype(initial_state, state_indices, final_state_dtype)  # validates it
     scale = _core._scale(scale)  # None: 1/sqrt(K), from the library (which refuses K = 0)
     if cu_seqlens is not None:
@@ -411,14 +426,14 @@ def chunk_gated_delta_rule(
             o, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd_pool_(
                 q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
                 scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first, checkpoint_every,
-                check_inputs, precision)
+                check_inputs, precision, context_parallel, cp_segment)
             return (o, None, ckpt) if checkpoint_every > 0 else (o, None)
 
     o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
         output_final_state and state_indices is None, checkpoint_every, check_inputs, precision,
-        final_state_dtype)
+        final_state_dtype, context_parallel, cp_segment)
     final_state = ht if output_final_state and state_indices is None else None
     if checkpoint_every > 0:
         return o, final_state, ckpt

@@ -189,6 +189,8 @@ fgdn_fwd_args parse_fwd(Kwargs& kw) {
   a.output_final_state = kw.flag("output_final_state");
   a.checkpoint_every = kw.integer("checkpoint_every");
   a.precision = static_cast<int32_t>(kw.integer("precision"));
+  a.context_parallel = static_cast<int32_t>(kw.integer("context_parallel"));
+  a.cp_segment = kw.integer("cp_segment");
   a.o = kw.tensor("o");
   a.final_state = kw.tensor("final_state");
   a.checkpoints = kw.tensor("checkpoints");

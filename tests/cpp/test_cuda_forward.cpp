@@ -167,6 +167,69 @@ std::vector<ft::Spec> all_cases() {
   return v;
 }
 
+// Context parallelism (csrc/sm90/fwd_context_parallel.h) forced on, with segments short enough
+// that these shapes split: exact segments (g = 0 heads, no l2norm), warm-up segments (decaying
+// heads with l2norm), gates just either side of the certificate, pools, checkpoints, varlen
+// packs where some sequences split and others do not, and the cost model's own choice.
+std::vector<ft::Spec> cp_cases() {
+  std::vector<ft::Spec> v;
+  auto add = [&](ft::Spec s, int64_t segment) {
+    s.context_parallel = FGDN_CONTEXT_PARALLEL_ON;
+    s.cp_segment = segment;
+    s.seed = 7000 + v.size();
+    v.push_back(std::move(s));
+  };
+  for (fgdn_precision prec : {FGDN_PRECISION_DEFAULT, FGDN_PRECISION_HIGH}) {
+    const std::string tag = prec == FGDN_PRECISION_HIGH ? "_high" : "";
+    ft::Spec s = with_h0(dense_d("cp_bf16_T1000_Hv8_D128_l2" + tag, 1, 1000, 2, 8, 128));
+    s.l2norm = true;  // realistic gates: head 0 exact, the others warm-up
+    s.precision = prec;
+    add(s, 128);
+    s = with_h0(dense_d("cp_bf16_T1000_Hv8_D128_exact" + tag, 1, 1000, 2, 8, 128));
+    s.precision = prec;  // no l2norm: every segment exact
+    add(s, 192);
+  }
+  {
+    ft::Spec s = with_h0(dense_d("cp_fp16_B2_T700_Hv4_D64_ckpt", 2, 700, 2, 4, 64, FGDN_FLOAT16));
+    s.l2norm = true;
+    s.checkpoint_every = 128;
+    add(s, 64);
+  }
+  for (auto [nm, gate] : {std::pair{"zero", ft::Gate::Zero}, std::pair{"mixed", ft::Gate::Mixed}}) {
+    ft::Spec s = with_h0(dense_d(std::string("cp_gate_") + nm + "_D128", 1, 640, 2, 4, 128));
+    s.gate = gate;
+    s.l2norm = true;
+    add(s, 128);
+  }
+  // One chunk's summed gate is 64 g: the certificate needs <= -16, so g = -0.2501 certifies a
+  // one-chunk warm-up and g = -0.2499 does not (segments of one chunk: the exact path).
+  for (auto [nm, g] : {std::pair{"below", -0.2501}, std::pair{"above", -0.2499}}) {
+    ft::Spec s = with_h0(dense_d(std::string("cp_bound_") + nm + "_D128", 1, 640, 2, 4, 128));
+    s.gate = ft::Gate::Constant;
+    s.gate_value = g;
+    s.l2norm = true;
+    add(s, 64);
+  }
+  {
+    ft::Spec s = with_h0(varlen_d("cp_varlen_pool_vfirst_D128", {0, 1, 300, 300, 1100, 1164, 1500}, 2, 4, 128));
+    s.l2norm = true;
+    s.state_indices = true;
+    s.v_first = true;
+    s.h0_dt = FGDN_BFLOAT16;
+    add(s, 128);
+    s = with_h0(varlen_d("cp_varlen_gate_in_kernel_D64", {0, 70, 70, 900, 1000}, 2, 4, 64));
+    s.l2norm = true;
+    s.gate_in_kernel = true;
+    s.checkpoint_every = 64;
+    add(s, 128);
+  }
+  // The plan kernel's cost model picks the segment length (few chains: it splits).
+  ft::Spec s = with_h0(dense_d("cp_auto_bf16_T4096_Hv2_D128", 1, 4096, 1, 2, 128));
+  s.l2norm = true;
+  add(s, 0);
+  return v;
+}
+
 class CudaForwardCase : public ::testing::TestWithParam<ft::Spec> {};
 
 TEST_P(CudaForwardCase, MatchesFloat64Oracle) {
@@ -176,6 +239,30 @@ TEST_P(CudaForwardCase, MatchesFloat64Oracle) {
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaForwardCase, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<ft::Spec>& i) { return i.param.name; });
+INSTANTIATE_TEST_SUITE_P(CudaCP, CudaForwardCase, ::testing::ValuesIn(cp_cases()),
+                         [](const ::testing::TestParamInfo<ft::Spec>& i) { return i.param.name; });
+
+// CP forced on and off on the same inputs: o and the final state agree within the forward's
+// bound (both are also checked against the oracle above).
+TEST(CudaForward, ContextParallelOnMatchesOff) {
+  if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  ft::Spec s = with_h0(varlen_d("cp_on_off", {0, 100, 2000, 2064, 3000}, 2, 8, 128));
+  s.l2norm = true;
+  s.seed = 7100;
+  std::vector<double> o[2], ht[2];
+  for (int on = 0; on < 2; ++on) {
+    s.context_parallel = on ? FGDN_CONTEXT_PARALLEL_ON : FGDN_CONTEXT_PARALLEL_OFF;
+    s.cp_segment = on ? 256 : 0;
+    ft::Case c(s);
+    flashgdn::FwdArgs fa = c.fwd_args();
+    ASSERT_NO_FATAL_FAILURE(ft::run_forward_on_device(c, fa));
+    o[on] = c.o.to_double();
+    ht[on] = c.ht.to_double();
+  }
+  EXPECT_LE(ft::rel_l2(o[1], o[0]), ft::kCudaFwdTol);
+  EXPECT_LE(ft::rel_l2(ht[1], ht[0]), ft::kCudaFwdTol);
+  EXPECT_NE(o[0], o[1]) << "CP on gave the same bits as off: it did not split";
+}
 
 // cu_seqlens read back from the device (no host copy given).
 TEST(CudaForward, VarlenWithoutHostSeqlens) {
@@ -192,6 +279,11 @@ TEST(CudaForward, Deterministic) {
   for (fgdn_precision prec : {FGDN_PRECISION_DEFAULT, FGDN_PRECISION_HIGH}) {
     ft::Spec s = with_h0(varlen_d("det", {0, 5, 200, 300, 1000}, 2, 4, 128));
     s.precision = prec;
+    if (prec == FGDN_PRECISION_HIGH) {  // and through the five launches of CP
+      s.l2norm = true;
+      s.context_parallel = FGDN_CONTEXT_PARALLEL_ON;
+      s.cp_segment = 128;
+    }
     ft::Case c(s);
     std::vector<unsigned char> first;
     for (int rep = 0; rep < 100; ++rep) {

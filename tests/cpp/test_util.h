@@ -279,7 +279,8 @@ enum class Gate {
   Realistic,  // per head A in [0, 16] (head 0: A = 0), g = -A softplus(x + 1), x ~ N(0, 1)
   Zero,       // g = 0 exactly
   Strong,     // g = -20
-  Mixed       // even heads g = 0, odd heads g = -20
+  Mixed,      // even heads g = 0, odd heads g = -20
+  Constant    // g = Spec::gate_value everywhere
 };
 
 struct Spec {
@@ -291,6 +292,7 @@ struct Spec {
   fgdn_dtype g_dt = FGDN_FLOAT32;     // g (a) and dg
   fgdn_dtype beta_dt = FGDN_FLOAT32;  // beta and dbeta
   Gate gate = Gate::Realistic;
+  double gate_value = 0.0;    // Gate::Constant
   bool h0 = false;            // initial state
   bool dht = false;           // d_final_state in backward
   bool final_state = true;    // output_final_state in forward
@@ -302,6 +304,8 @@ struct Spec {
   bool v_first = false;
   int64_t checkpoint_every = 0;
   fgdn_precision precision = FGDN_PRECISION_DEFAULT;  // forward
+  fgdn_context_parallel context_parallel = FGDN_CONTEXT_PARALLEL_AUTO;  // forward
+  int64_t cp_segment = 0;                                              // forward
   bool strided = false;       // q, k, v, g, beta, d_o with padded (non-contiguous) strides
   fgdn_dtype cu_dt = FGDN_INT64;   // cu_seqlens
   fgdn_dtype idx_dt = FGDN_INT32;  // state_indices
@@ -441,6 +445,7 @@ struct Case {
           case Gate::Zero: gv = 0.0; break;
           case Gate::Strong: gv = -20.0; break;
           case Gate::Mixed: gv = (h % 2 == 0) ? 0.0 : -20.0; break;
+          case Gate::Constant: gv = s.gate_value; break;
         }
         ri.g[static_cast<size_t>(i)] = gv;
       }
@@ -560,6 +565,8 @@ struct Case {
     FwdArgs a;
     a.in = inputs();
     a.precision = s.precision;
+    a.context_parallel = s.context_parallel;
+    a.cp_segment = s.cp_segment;
     o = HostBuffer(s.dt, BT * s.Hv * s.V);
     o.fill_bytes(0x7f);
     a.o = o.tensor({s.B, s.T, s.Hv, s.V});

@@ -319,6 +319,49 @@ def test_cuda_graph_capture_and_no_host_sync():
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
 
 
+def test_cuda_graph_context_parallel_new_seqlens():
+    """A CUDA graph of a call with context parallelism, replayed with new cu_seqlens values of the
+    same size: the plan runs on the GPU, so the replay splits the new sequences and gives the
+    eager bits; and CP agrees with no CP within the forward's bound."""
+    old, new = [100, 2000, 64, 900], [1500, 64, 100, 1400]
+    c = make_case(lengths=old, Hq=2, Hv=4, K=128, V=128, device=DEV, l2norm=True, seed=11)
+    n = make_case(lengths=new, Hq=2, Hv=4, K=128, V=128, device=DEV, l2norm=True, seed=12)
+    q, k, v, g, beta, h0 = (x.clone() for x in c.inputs() + (c.initial_state,))
+    cu = c.cu_seqlens.clone()
+    cp = dict(use_qk_l2norm_in_kernel=True, context_parallel=True, cp_segment=256)
+
+    def step():
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu, cu_seqlens_cpu=c.cu_seqlens_host, **cp)
+
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for dst, src in zip((q, k, v, g, beta, h0), n.inputs() + (n.initial_state,)):
+            dst.copy_(src)
+        cu.copy_(n.cu_seqlens)
+        graph.replay()
+        torch.cuda.synchronize()
+        args = n.inputs() + (n.initial_state,)
+        eager = chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
+                                       cu_seqlens=n.cu_seqlens, cu_seqlens_cpu=n.cu_seqlens_host, **cp)
+        off = chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
+                                     cu_seqlens=n.cu_seqlens, cu_seqlens_cpu=n.cu_seqlens_host,
+                                     use_qk_l2norm_in_kernel=True, context_parallel=False)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    for a, b in zip(eager, off):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 6e-3, err
+    assert not torch.equal(eager[0], off[0]), "CP on gave the bits of CP off: nothing split"
+
+
 def test_torch_compile_cuda():
     c = make_case(lengths=PACK, Hq=4, Hv=16, K=128, V=128, device=DEV, gate_in_kernel=True, l2norm=True)
     leaves = [x.detach().clone().requires_grad_() for x in c.inputs()]
