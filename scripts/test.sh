@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ suite through ctest (no PyTorch involved), the CPU part of it again
-# under ASan + UBSan, then the Python package built by pip and its pytest suite. GPU tests run
-# when a CUDA device is present and are skipped, with the reason, where there is none.
+# Runs every test: the C++ suite through ctest (no PyTorch involved), a consumer project built
+# against the installed C++ package, the CPU part of the suite again under ASan + UBSan, then the
+# Python package built by pip and its pytest suite. GPU tests run when a CUDA device is present
+# and are skipped, with the reason, where there is none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=$(bash scripts/setup.sh)
@@ -11,6 +12,20 @@ echo "== C++: configure, build, ctest"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHGDN_WERROR=ON >/dev/null
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure -j "$JOBS"
+
+# The C++ package as a consumer sees it: install the build above into a temporary prefix, then
+# build examples/cmake_consumer with find_package(flashgdn) against that prefix alone, and run it.
+echo "== C++ package: cmake --install, examples/cmake_consumer against the installed tree"
+PKG=$(mktemp -d)
+trap 'rm -rf "$PKG"' EXIT
+cmake --install build --prefix "$PKG/prefix" >/dev/null
+cmake -S examples/cmake_consumer -B "$PKG/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  "-DCMAKE_PREFIX_PATH=$PKG/prefix" "-DCMAKE_CXX_FLAGS=-Wall -Wextra -Wpedantic -Werror" |
+  grep -F -- "-- flashgdn "
+grep -qF "flashgdn_DIR:PATH=$PKG/prefix/" "$PKG/build/CMakeCache.txt" ||
+  { echo "the consumer found flashgdn outside $PKG/prefix" >&2; exit 1; }
+cmake --build "$PKG/build"
+"$PKG/build/flashgdn_consumer"
 
 # The CPU suite again under AddressSanitizer and UndefinedBehaviorSanitizer, any report fatal:
 # the hostile calls of tests/cpp/test_contract.cpp use exactly sized buffers, so a check that

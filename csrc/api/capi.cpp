@@ -153,6 +153,6 @@ int fgdn_has_cuda(void) {
 #endif
 }
 
-const char* fgdn_version(void) { return "0.2.0"; }
+const char* fgdn_version(void) { return FGDN_VERSION_STRING; }
 
 }  // extern "C"

@@ -29,6 +29,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* FGDN_VERSION_MAJOR, _MINOR, _PATCH and FGDN_VERSION_STRING: the version of these headers,
+   generated at configure time from the file VERSION. fgdn_version() is that of the library. */
+#include "flashgdn/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -39,9 +43,6 @@ extern "C" {
 #define FGDN_API __attribute__((visibility("default")))
 #endif
 
-#define FGDN_VERSION_MAJOR 0
-#define FGDN_VERSION_MINOR 2
-#define FGDN_VERSION_PATCH 0
 #define FGDN_MAX_DIMS 4
 
 typedef enum fgdn_dtype {
@@ -186,6 +187,7 @@ FGDN_API fgdn_status fgdn_backward(const fgdn_bwd_args* args, void* workspace,
 FGDN_API const char* fgdn_last_error(void);
 /* 1 if this build has the CUDA backend. */
 FGDN_API int fgdn_has_cuda(void);
+/* "MAJOR.MINOR.PATCH" of the loaded library: FGDN_VERSION_STRING when it was built. */
 FGDN_API const char* fgdn_version(void);
 
 /* An fgdn_tensor with every field zero (ndim 0): an absent optional tensor. */

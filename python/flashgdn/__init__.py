@@ -20,7 +20,10 @@ from ._core import (
 )
 from .ops import chunk_gated_delta_rule
 
-__version__ = "0.2.0"
+# The bundled library's version: built from the same VERSION file as the wheel's metadata, and
+# always that of the code imported (also from a --target install on PYTHONPATH, where
+# importlib.metadata may find another installed copy's dist-info first).
+__version__ = _C.version()
 chunk_gdn = chunk_gated_delta_rule
 
 

@@ -1,8 +1,10 @@
 """CPU tests of the Python package: the binding, the FLA-compatible function, autograd,
 torch.compile, validation. Every numeric check is against the float64 oracle."""
+import importlib.metadata
 import inspect
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,8 +24,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def test_exports_and_version():
-    assert flashgdn.__version__ == "0.2.0"
-    assert _C.version() == flashgdn.__version__
+    # One version, the file VERSION: the package, the library it loaded and the installed
+    # distribution's metadata (scikit-build-core's regex provider) all say it.
+    version = (Path(__file__).resolve().parents[2] / "VERSION").read_text().strip()
+    assert flashgdn.__version__ == version
+    assert _C.version() == version
+    assert flashgdn.library_version() == version
+    assert importlib.metadata.version("flashgdn") == version
     assert isinstance(flashgdn.has_cuda(), bool)
     for name in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd",
                  "__version__", "has_cuda"):
