@@ -295,6 +295,7 @@ class _LoaderThenRegister:
 
     def exec_module(self, module):
         self._inner.exec_module(module)
+        _remove_hook()
         _register_fla_module(module)
 
     def __getattr__(self, name):  # get_source, get_code, ...: the real loader's
@@ -304,7 +305,7 @@ class _LoaderThenRegister:
 class _RegisterWhenFLAImports:
     """A meta path finder that waits for ``fla.backends`` to be imported (by whoever imports
     FLA's ops) and registers flashgdn right after, so that ``import flashgdn`` imports nothing
-    of FLA. It removes itself once it has fired."""
+    of FLA. It removes itself once ``fla.backends`` has run."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "fla.backends":
@@ -316,7 +317,8 @@ class _RegisterWhenFLAImports:
             spec = finder.find_spec(name, path, target)
             if spec is not None:
                 break
-        _remove_hook()
+        # The hook stays until the module is executed: a mere probe (importlib.util.find_spec)
+        # executes nothing, and the import that follows finds the hook again.
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _LoaderThenRegister(spec.loader)

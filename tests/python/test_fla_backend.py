@@ -309,6 +309,10 @@ def test_import_time_registration_is_deferred(tmp_path, version, registers):
         from flashgdn import fla_backend
         assert "fla" not in sys.modules and "fla.backends" not in sys.modules, "flashgdn imported FLA"
         assert any(isinstance(f, fla_backend._RegisterWhenFLAImports) for f in sys.meta_path)
+        import importlib.util
+        assert importlib.util.find_spec("fla.backends") is not None  # a probe runs nothing
+        assert "fla.backends" not in sys.modules
+        assert any(isinstance(f, fla_backend._RegisterWhenFLAImports) for f in sys.meta_path)
         import fla.backends
         assert not any(isinstance(f, fla_backend._RegisterWhenFLAImports) for f in sys.meta_path)
         reg = fla.backends._get_operation_registry("gated_delta_rule")._backends
