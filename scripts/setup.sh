@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what flashgdn's build and tests need on a fresh Debian/Ubuntu machine, idempotently:
 # the C++ toolchain from Debian's packages, and a Python virtual environment (PyTorch, nanobind,
-# scikit-build-core, pytest) from PyPI with pip's cache, created once and reused.
+# scikit-build-core, pytest, fla-core) from PyPI with pip's cache, created once and reused.
 # Prints the venv's python path last; --cpp-only stops after the toolchain. FLASHGDN_VENV overrides where the venv lives.
 set -euo pipefail
 
@@ -38,4 +38,10 @@ fi
 # One install, then a no-op: pip skips what is there; its cache makes a fresh venv quick.
 "$VENV/bin/python" -m pip install -q --upgrade-strategy only-if-needed \
   torch numpy pytest hypothesis "nanobind>=2.0" "scikit-build-core>=0.10" ninja cmake >&2
+# FLA's core package (1 MB pure Python, plus einops; no torch or triton of its own) for the tests
+# that run FLA's chunk_gated_delta_rule routed to flashgdn (tests/python/test_fla_backend.py).
+# It needs Python >= 3.10; elsewhere those tests skip with the reason.
+if "$VENV/bin/python" -c "import sys; sys.exit(sys.version_info < (3, 10))"; then
+  "$VENV/bin/python" -m pip install -q --upgrade-strategy only-if-needed "fla-core==0.6.0" >&2
+fi
 echo "$VENV/bin/python"

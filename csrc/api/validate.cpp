@@ -281,7 +281,9 @@ class Checker {
 };
 
 const std::initializer_list<fgdn_dtype> kInputDtypes = {FGDN_BFLOAT16, FGDN_FLOAT16, FGDN_FLOAT32};
-const std::initializer_list<fgdn_dtype> kGateDtypes = {FGDN_FLOAT32, FGDN_BFLOAT16};
+// g and beta (and dg, dbeta in the same dtypes): every backend reads them element by element
+// through a run-time dtype switch (load_float / cuda::load_as_float), fp16 included.
+const std::initializer_list<fgdn_dtype> kGateDtypes = {FGDN_FLOAT32, FGDN_BFLOAT16, FGDN_FLOAT16};
 const std::initializer_list<fgdn_dtype> kIndexDtypes = {FGDN_INT32, FGDN_INT64};
 // States the caller passes or receives (initial state / pool, final state, their gradients):
 // each in its own dtype, converted to float32 on load and rounded to nearest even on store.

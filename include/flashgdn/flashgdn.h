@@ -102,9 +102,9 @@ typedef struct fgdn_inputs {
   fgdn_tensor q;    /* [B, T, Hq, K]  bf16 | fp16 | fp32 (q, k, v share one dtype) */
   fgdn_tensor k;    /* [B, T, Hq, K] */
   fgdn_tensor v;    /* [B, T, Hv, V] */
-  fgdn_tensor g;    /* [B, T, Hv] fp32 | bf16: log-space gate g <= 0; with gate_in_kernel the
+  fgdn_tensor g;    /* [B, T, Hv] fp32 | bf16 | fp16: log-space gate g <= 0; with gate_in_kernel the
                        raw activation a, and g = -exp(A_log[h]) * softplus(a + dt_bias[h]) */
-  fgdn_tensor beta; /* [B, T, Hv] fp32 | bf16 */
+  fgdn_tensor beta; /* [B, T, Hv] fp32 | bf16 | fp16 */
   fgdn_tensor A_log;   /* [Hv] fp32, required iff gate_in_kernel */
   fgdn_tensor dt_bias; /* [Hv] fp32, optional with gate_in_kernel (zero when absent) */
   fgdn_tensor cu_seqlens; /* [N + 1] int32 | int64, optional; requires B == 1 */

@@ -7,7 +7,8 @@ into the outputs the caller does pass (handy for preallocated / poisoned buffers
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from contextlib import nullcontext as _nullcontext
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -274,6 +275,7 @@ def chunk_gated_delta_rule_fwd(
     final_state_dtype: Optional[torch.dtype] = None,
     context_parallel: Optional[bool] = None,
     cp_segment: int = 0,
+    before_launch: Optional[Callable[[], None]] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
@@ -293,6 +295,9 @@ def chunk_gated_delta_rule_fwd(
     (tokens per segment, a multiple of 64; 0: the cost model's choice): the CUDA forward's
     intra-card context parallelism (docs/context-parallel.md; the CPU ignores them).
     Nothing is written when an argument is rejected (ValueError naming it).
+    ``before_launch``: called once every argument but the tensors' values has been validated
+    (the workspace query), just before the library runs; the engines' entry points
+    (``flashgdn.engines``) check the values they need and zero fresh pool rows there.
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -336,6 +341,10 @@ def chunk_gated_delta_rule_fwd(
         final_state=_state_desc("final_state", final_state) if want_final else None,
         checkpoints=_desc("checkpoints", checkpoints) if checkpoint_every > 0 else None,
     )
+    if before_launch is not None:
+        with torch.cuda.device(q.device) if q.device.type == "cuda" else _nullcontext():
+            _C.forward_workspace_size(**kw)  # validates everything but values, writes nothing
+        before_launch()
     _launch(_C.forward, _C.forward_workspace_size, kw, q.device)
     if zero_tail is not None:
         used = int(checkpoint_offsets(zero_tail, checkpoint_every)[-1])

@@ -248,20 +248,23 @@ def chunk_gated_delta_rule(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
-    *,
-    cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None,
-    cu_seqlens_host: Optional[Union[Tensor, Sequence[int]]] = None,
-    use_gate_in_kernel: bool = False,
-    A_log: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
-    state_indices: Optional[Tensor] = None,
-    checkpoint_every: int = 0,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None,
     chunk_indices: Optional[Tensor] = None,
     cp_context=None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    chunk_size: int = 64,
+    head_first: bool = False,
+    chunk_offsets: Optional[Tensor] = None,
+    cu_seqlens_host: Optional[Union[Tensor, Sequence[int]]] = None,
+    state_indices: Optional[Tensor] = None,
+    checkpoint_every: int = 0,
     check_inputs: bool = False,
     precision: str = "default",
     final_state_dtype: Optional[torch.dtype] = None,
@@ -274,12 +277,18 @@ def chunk_gated_delta_rule(
     Per sequence and value head, with state ``S`` (K x V, float32 during the recurrence):
     ``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
 
+    The parameters up to ``cp_context`` are FLA 0.6's, in FLA's positional order and with FLA's
+    meaning (``fla-core`` 0.6.0); the keyword-only ones after them are FLA's ``**kwargs`` options
+    (``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size``, ``head_first``,
+    ``transpose_state_layout``), then flashgdn's own.
+
     Args:
         q, k: ``[B, T, Hq, K]``; v: ``[B, T, Hv, V]`` (``Hv`` a multiple of ``Hq``: value head
-            ``h`` reads q/k head ``h // (Hv // Hq)``). bfloat16, float16 or float32, one dtype.
-        g: ``[B, T, Hv]`` float32 or bfloat16, log-space gate (``<= 0``); with
+            ``h`` reads q/k head ``h // (Hv // Hq)``). bfloat16, float16 or float32 (float32 on
+            the CPU backend only), one dtype.
+        g: ``[B, T, Hv]`` float32, bfloat16 or float16, log-space gate (``<= 0``); with
             ``use_gate_in_kernel`` the raw activation ``a`` (``g = -exp(A_log) * softplus(a + dt_bias)``).
-        beta: ``[B, T, Hv]`` float32 or bfloat16.
+        beta: ``[B, T, Hv]`` float32, bfloat16 or float16.
         scale: default ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` float32, bfloat16 or float16 (``[N, Hv, V, K]`` with
             ``state_v_first``); with ``state_indices`` a pool ``[P, Hv, K, V]``, read and written
@@ -289,16 +298,30 @@ def chunk_gated_delta_rule(
             always returns float32: pass ``final_state_dtype=torch.float32`` for that). Rounded
             to nearest even from the float32 state.
         use_qk_l2norm_in_kernel: L2-normalise q and k per token inside the kernel.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2 with
+            ``allow_neg_eigval``, which requires ``use_beta_sigmoid_in_kernel``), applied as a
+            torch op before the kernel.
+        state_v_first: states (initial, final, checkpoints, their gradients) are ``[.., V, K]``.
         cu_seqlens: ``[N + 1]`` int32/int64 (``B == 1``): N sequences packed along T.
+        cu_seqlens_cpu: host copy of ``cu_seqlens`` (CPU tensor or list): with it a CUDA call
+            never reads ``cu_seqlens`` back (no host synchronisation, CUDA-graph safe).
+        chunk_indices: FLA's precomputed chunk index table: accepted and ignored (flashgdn
+            derives its layout from ``cu_seqlens`` or its host copy).
+        cp_context: FLA's context-parallel context: only None; anything else raises
+            NotImplementedError (flashgdn runs one device's sequences whole).
 
-    Keyword-only (FLA names where FLA has the option):
-        cu_seqlens_cpu / cu_seqlens_host: host copy of ``cu_seqlens`` (CPU tensor or list): with it
-            a CUDA call never reads ``cu_seqlens`` back (no host synchronisation, CUDA-graph safe).
+    Keyword-only, FLA's ``**kwargs`` options:
         use_gate_in_kernel, A_log (``[Hv]``), dt_bias (``[Hv]``, optional): compute the gate in the
             kernel from the raw activation passed as ``g``; ``g``'s gradient is then ``da``.
-        use_beta_sigmoid_in_kernel, allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2 with
-            ``allow_neg_eigval``), applied as a torch op before the kernel.
-        state_v_first: states (initial, final, checkpoints, their gradients) are ``[.., V, K]``.
+        chunk_size: 16, 32 or 64, accepted and ignored (flashgdn always uses 64; the result
+            differs from FLA's at another chunk size only by rounding).
+        head_first: only False (FLA 0.6 removed head-first inputs); True raises ValueError.
+        transpose_state_layout: FLA's deprecated alias of ``state_v_first`` (DeprecationWarning).
+        chunk_offsets: a precomputed chunk offset table (vLLM's FLA copy passes one): accepted
+            and ignored.
+
+    Keyword-only, flashgdn's own:
+        cu_seqlens_host: alias of ``cu_seqlens_cpu``.
         state_indices: ``[N]`` int32/int64 rows of the pool ``initial_state`` per sequence
             (negative: start from zero, write nothing back). With ``output_final_state`` the final
             states are written back in place into those pool rows and ``final_state`` is returned
@@ -329,14 +352,12 @@ def chunk_gated_delta_rule(
             ``cu_seqlens`` equal to its host copy) at the cost of one host synchronisation;
             ValueError naming the first offending element. Also on with the environment
             variable ``FLASHGDN_CHECK_INPUTS=1``.
-        chunk_indices: accepted for FLA compatibility and ignored. ``chunk_size`` (kwarg): 16, 32
-            or 64 accepted and ignored (flashgdn always uses 64). ``head_first=True``: ValueError.
-            ``transpose_state_layout``: deprecated alias of ``state_v_first``. ``cp_context``:
-            NotImplementedError.
+
+    Any other keyword raises TypeError naming it (FLA 0.6 ignores unknown keywords silently).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, Hv, V]`` in q's dtype, ``final_state`` or None;
-        ``(o, final_state, checkpoints)`` when ``checkpoint_every > 0``.
+        ``(o, final_state)`` as FLA: ``o`` ``[B, T, Hv, V]`` in q's dtype, ``final_state`` or
+        None; ``(o, final_state, checkpoints)`` when ``checkpoint_every > 0``.
 
     CPU tensors run on the CPU backend, CUDA tensors on the CUDA backend of their device and its
     current stream. Rejected arguments raise ValueError naming the argument.
@@ -347,18 +368,27 @@ def chunk_gated_delta_rule(
         warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                       DeprecationWarning, stacklevel=2)
         state_v_first = _core._flag("transpose_state_layout", kwargs.pop("transpose_state_layout"))
-    if "head_first" in kwargs:
-        if kwargs.pop("head_first"):
-            raise ValueError("head_first: head-first inputs are not supported; pass [B, T, H, ...] tensors")
-    if "chunk_size" in kwargs:
-        cs = kwargs.pop("chunk_size")
-        if cs not in (16, 32, 64):
-            raise ValueError(f"chunk_size: must be 16, 32 or 64 (flashgdn always uses 64), got {cs}")
     if kwargs:
-        raise TypeError(f"chunk_gated_delta_rule() got unexpected keyword argument(s) {sorted(kwargs)}")
-    del chunk_indices
+        raise TypeError(
+            f"chunk_gated_delta_rule() got unexpected keyword argument(s) {sorted(kwargs)}; flashgdn "
+            "takes FLA 0.6's arguments (use_gate_in_kernel, A_log, dt_bias, chunk_size, head_first, "
+            "transpose_state_layout as keywords), the hints chunk_indices and chunk_offsets, and its "
+            "own cu_seqlens_host, state_indices, checkpoint_every, check_inputs, precision, "
+            "final_state_dtype")
+    if _core._flag("head_first", head_first):
+        raise ValueError("head_first: head-first inputs are not supported (nor by FLA 0.6); "
+                         "pass [B, T, H, ...] tensors")
+    if isinstance(chunk_size, bool) or chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size: must be 16, 32 or 64 (flashgdn always uses 64), got {chunk_size!r}")
+    for name, hint in (("chunk_indices", chunk_indices), ("chunk_offsets", chunk_offsets)):
+        if hint is not None and not isinstance(hint, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None (a hint flashgdn ignores), "
+                            f"got {type(hint).__name__}")
+    del chunk_indices, chunk_offsets
     if cp_context is not None:
-        raise NotImplementedError("cp_context: context parallelism is not supported by flashgdn")
+        raise NotImplementedError(
+            "cp_context: context parallelism is not supported by flashgdn; pass cp_context=None "
+            "(each call runs its sequences whole on one device, with cu_seqlens for varlen batches)")
 
     for name, t, nd, layout in (("q", q, 4, "[B, T, Hq, K]"), ("k", k, 4, "[B, T, Hq, K]"),
                                 ("v", v, 4, "[B, T, Hv, V]"), ("g", g, 3, "[B, T, Hv]"),
@@ -394,6 +424,9 @@ def chunk_gated_delta_rule(
                             cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens_host)
     if host is not None and cu_seqlens is None:
         raise ValueError("cu_seqlens_host: given without cu_seqlens")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError("A_log: required when use_gate_in_kernel=True")

@@ -9,12 +9,20 @@ State options are mapped onto the oracle's plain [N, Hv, K, V] states here: ``st
 transposes, ``state_indices`` gathers each sequence's initial state from the pool (zero for a
 negative index); the returned ``final_state`` and ``dh0`` are per sequence, [N, Hv, K, V]
 (or [N, Hv, V, K] with ``state_v_first``).
+
+numpy is needed here only (the binding returns the oracle's results as numpy arrays); ``import
+flashgdn`` does not import this module, and the package does not require numpy
+(``pip install flashgdn[oracle]`` adds it).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError as e:  # numpy is optional for flashgdn; the oracle needs it (flashgdn[oracle])
+    raise ImportError("flashgdn.reference (the float64 oracle) needs numpy, which flashgdn does not "
+                      "require: pip install numpy (or flashgdn[oracle])") from e
 
 from . import _C
 

@@ -156,6 +156,15 @@ std::vector<ft::Spec> all_cases() {
     s.dt = FGDN_FLOAT16;
     s.l2norm = true;
     add(s);
+    // fp16 g and beta (FLA accepts them; dg and dbeta in the same dtypes)
+    s = with_states(varlen("fp16_gbeta_bf16_qkv", cu_edge, 2, 4, 64, 32));
+    s.dt = FGDN_BFLOAT16;
+    s.g_dt = s.beta_dt = FGDN_FLOAT16;
+    add(s);
+    s = with_states(dense("fp16_gbeta_fp16_qkv_gik", 2, 100, 1, 2, 32, 64));
+    s.dt = s.g_dt = s.beta_dt = FGDN_FLOAT16;
+    s.gate_in_kernel = true;
+    add(s);
   }
 
   // States in bf16 / fp16 (initial, final, d_final_state, dh0), each in its own dtype: read

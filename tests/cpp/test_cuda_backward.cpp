@@ -83,6 +83,12 @@ std::vector<ft::Spec> all_cases() {
     s.beta_dt = FGDN_BFLOAT16;
     add(s);
   }
+  {  // fp16 g and beta: dg and dbeta written in fp16
+    ft::Spec s = with_states(varlen_d("varlen_fp16_gates_D64", cu_edge, 2, 4, 64));
+    s.g_dt = FGDN_FLOAT16;
+    s.beta_dt = FGDN_FLOAT16;
+    add(s);
+  }
   {
     ft::Spec s =
         with_states(varlen_d("varlen_pool_vfirst_D64_fp16", cu_edge, 1, 2, 64, FGDN_FLOAT16));

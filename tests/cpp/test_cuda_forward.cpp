@@ -81,6 +81,9 @@ std::vector<ft::Spec> all_cases() {
     s.gate_in_kernel = true;
     s.dt_bias = false;
     add(s);
+    s = with_h0(varlen_d("bf16_fp16_gates_varlen", cu_edge, 2, 4, 64));
+    s.g_dt = s.beta_dt = FGDN_FLOAT16;
+    add(s);
   }
   {
     ft::Spec s = with_h0(varlen_d("bf16_state_indices_D128", cu_edge, 1, 2, 128));

@@ -59,8 +59,8 @@ std::vector<Case> cases() {
   // Dtypes and devices.
   in_case("k_dtype_mismatch", [](fgdn_inputs& in) { in.k.dtype = FGDN_FLOAT16; },
           {"'k'", "dtype float32", "got dtype float16"});
-  in_case("g_dtype", [](fgdn_inputs& in) { in.g.dtype = FGDN_FLOAT16; },
-          {"'g'", "float32 or bfloat16", "float16"});
+  in_case("g_dtype", [](fgdn_inputs& in) { in.g.dtype = FGDN_INT32; },
+          {"'g'", "float32 or bfloat16 or float16", "int32"});
   in_case("q_dtype_int", [](fgdn_inputs& in) { in.q.dtype = FGDN_INT32; }, {"'q'", "dtype bfloat16 or float16 or float32"});
   in_case("v_device_mismatch", [](fgdn_inputs& in) { in.v.device_type = FGDN_CUDA; },
           {"'v'", "a tensor on cpu (the device of q)", "cuda:0"});

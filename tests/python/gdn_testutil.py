@@ -89,7 +89,7 @@ class Case:
 
 
 # Named option sets of the option tests (CPU and GPU): make_case keywords for each.
-OPTIONS = ["no_initial_state", "l2norm", "gate", "gate_no_dt_bias", "scale", "v_first", "bf16_gates",
+OPTIONS = ["no_initial_state", "l2norm", "gate", "gate_no_dt_bias", "scale", "v_first", "bf16_gates", "fp16_gates",
            "int64_cu", "all"]
 
 
@@ -108,6 +108,8 @@ def option_kwargs(opt: str, scale: float) -> dict:
         kw["state_v_first"] = True
     if opt == "bf16_gates":
         kw["g_dtype"] = kw["beta_dtype"] = torch.bfloat16
+    if opt == "fp16_gates":
+        kw["g_dtype"] = kw["beta_dtype"] = torch.float16
     if opt == "int64_cu":
         kw["cu_dtype"] = torch.int64
     return kw

@@ -39,19 +39,76 @@ def test_exports_and_version():
     assert hasattr(torch.ops.flashgdn, "chunk_gated_delta_rule_bwd")
 
 
+# FLA 0.6's parameters of chunk_gated_delta_rule in its order (fla-core 0.6.0,
+# fla/ops/gated_delta_rule/chunk.py), all positional-or-keyword, then **kwargs.
+FLA_POSITIONAL = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                  "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                  "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context"]
+# The keywords FLA 0.6 reads from its **kwargs.
+FLA_KWARGS = ["use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "head_first", "transpose_state_layout"]
+FLASHGDN_ONLY = ["chunk_offsets", "cu_seqlens_host", "state_indices", "checkpoint_every", "check_inputs",
+                 "precision", "final_state_dtype"]
+
+
 def test_fla_signature_names():
-    """Every parameter name of FLA's chunk_gated_delta_rule (and its kwargs options) is accepted."""
+    """FLA 0.6's positional order and defaults; FLA's **kwargs options and flashgdn's own
+    arguments keyword-only."""
     params = inspect.signature(chunk_gated_delta_rule).parameters
     names = list(params)
-    assert names[:10] == ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                          "use_qk_l2norm_in_kernel", "cu_seqlens"]
-    for name in ("cu_seqlens_cpu", "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel",
-                 "allow_neg_eigval", "state_v_first", "chunk_indices", "cp_context",
-                 "cu_seqlens_host", "state_indices", "checkpoint_every"):
-        assert name in params, name
+    assert names[:len(FLA_POSITIONAL)] == FLA_POSITIONAL
+    for name in FLA_POSITIONAL:
+        assert params[name].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+    for name in FLA_POSITIONAL[5:]:
+        assert params[name].default in (None, False), name
+    for name in FLA_KWARGS[:-1] + FLASHGDN_ONLY:
+        assert params[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    assert names[-1] == "kwargs"  # transpose_state_layout, as FLA
     assert params["scale"].default is None
-    assert params["output_final_state"].default is False
-    assert params["use_qk_l2norm_in_kernel"].default is False
+    assert params["chunk_size"].default == 64
+
+
+def test_fla_positional_meaning():
+    """A positional call in FLA's order means what it means to FLA: the 10th argument is
+    use_beta_sigmoid_in_kernel, the 12th state_v_first, the 13th cu_seqlens."""
+    c = make_case(lengths=[40, 70], Hq=1, Hv=2, K=32, V=32, dtype=torch.float32, state_v_first=True)
+    q, k, v, g, beta = c.inputs()
+    logits = torch.logit(beta)
+    o1, ht1 = chunk_gated_delta_rule(q, k, v, g, logits, None, c.initial_state, True, False, True, False, True,
+                                     c.cu_seqlens, c.cu_seqlens_host, None, None)
+    o2, ht2 = chunk_gated_delta_rule(q, k, v, g, torch.sigmoid(logits), initial_state=c.initial_state,
+                                     output_final_state=True, state_v_first=True, cu_seqlens=c.cu_seqlens)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    ref = oracle_forward(c)
+    check("o", o1, ref["o"], c, 1e-4)
+    check("final_state", ht1, ref["final_state"], c, 1e-4)
+    # allow_neg_eigval (11th): beta = 2 sigmoid(logits)
+    o3, _ = chunk_gated_delta_rule(q, k, v, g, logits, None, c.initial_state, False, False, True, True, True,
+                                   c.cu_seqlens)
+    o4, _ = chunk_gated_delta_rule(q, k, v, g, 2 * torch.sigmoid(logits), initial_state=c.initial_state,
+                                   state_v_first=True, cu_seqlens=c.cu_seqlens)
+    assert torch.equal(o3, o4)
+    assert not torch.equal(o3, o1)
+
+
+def test_fla_hints_and_kwargs():
+    """FLA's performance hints are accepted and ignored; every FLA keyword is taken; anything
+    else is a TypeError naming it and saying what is supported."""
+    c = make_case(lengths=[64, 30], Hq=1, Hv=2, K=32, V=32)
+    base = chunk_gated_delta_rule(*c.inputs(), cu_seqlens=c.cu_seqlens, output_final_state=True)
+    chunk_indices = torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
+    chunk_offsets = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for cs in (16, 32, 64):
+        out = chunk_gated_delta_rule(*c.inputs(), cu_seqlens=c.cu_seqlens, output_final_state=True,
+                                     chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=cs,
+                                     head_first=False, cp_context=None)
+        assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1])
+    with pytest.raises(TypeError, match="chunk_offsets"):
+        chunk_gated_delta_rule(*c.inputs(), cu_seqlens=c.cu_seqlens, chunk_offsets=[0, 1, 2])
+    with pytest.raises(TypeError, match=r"'output_final_sate'.*takes FLA 0.6"):
+        chunk_gated_delta_rule(*c.inputs(), cu_seqlens=c.cu_seqlens, output_final_sate=True)
+    with pytest.raises(TypeError):  # flashgdn's own arguments are keyword-only
+        chunk_gated_delta_rule(*c.inputs(), None, None, False, False, False, False, False, c.cu_seqlens,
+                               None, None, None, 0)
 
 
 # ---- numerics against the oracle (low-level API, NaN-poisoned outputs) --------------------------
@@ -161,8 +218,9 @@ def test_defaults_and_return_values():
     # scale defaults to K ** -0.5
     o2, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=32 ** -0.5)
     assert torch.equal(o, o2)
-    # positional FLA order: scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
-    o3, ht3 = chunk_gated_delta_rule(q, k, v, g, beta, None, c.initial_state, True, False, None)
+    # positional FLA order: scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    # use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens
+    o3, ht3 = chunk_gated_delta_rule(q, k, v, g, beta, None, c.initial_state, True, False, False, False, False, None)
     assert ht3.shape == (2, 4, 32, 32) and ht3.dtype == torch.float32
     ref = oracle_forward(c)
     check("o", o3, ref["o"], c, 6e-3)
@@ -279,6 +337,32 @@ def test_autograd_vs_oracle(opt):
         key = {"initial_state": "dh0", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias"}.get(n, "d" + n)
         assert gr.dtype == leaves.get(n, extra.get(n)).dtype
         check(key, gr, rb[key], c, bounds[key], context=opt)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["log_gate", "gate_in_kernel"])
+def test_gate_dtypes_vs_oracle(gate_dtype, gate_in_kernel):
+    """g and beta in every dtype FLA takes (float32, bfloat16, float16), through autograd: the
+    forward and every gradient against the oracle (which sees the same rounded g and beta), dg
+    and dbeta in g's and beta's dtypes."""
+    c = make_case(lengths=[70, 1, 100], Hq=1, Hv=2, K=32, V=32, dtype=torch.bfloat16, g_dtype=gate_dtype,
+                  beta_dtype=gate_dtype, gate_in_kernel=gate_in_kernel)
+    assert c.g.dtype == gate_dtype and c.beta.dtype == gate_dtype
+    g = c.g.detach().clone().requires_grad_()
+    beta = c.beta.detach().clone().requires_grad_()
+    kw = c.kwargs()
+    o, ht = chunk_gated_delta_rule(c.q, c.k, c.v, g, beta, output_final_state=True, **kw)
+    ref = oracle_forward(c)
+    check("o", o, ref["o"], c, 6e-3, context=str(gate_dtype))
+    check("final_state", ht, ref["final_state"], c, 6e-3, context=str(gate_dtype))
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dg, dbeta = torch.autograd.grad(o, [g, beta], do)
+    assert dg.dtype == gate_dtype and dbeta.dtype == gate_dtype
+    rb = oracle_backward(c, do, None)
+    check("dg", dg, rb["dg"], c, 1.2e-2, context=str(gate_dtype))
+    check("dbeta", dbeta, rb["dbeta"], c, 8e-3, context=str(gate_dtype))
 
 
 def test_autograd_unused_outputs():
