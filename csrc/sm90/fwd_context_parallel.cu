@@ -1,10 +1,10 @@
 // Context parallelism of the Hopper forward, apart from the forward kernel itself: the layout
-// from the shapes (host), the plan (one CTA: cost model, work items, slots), the gate
-// certificate (a warp per segment and head) and the scan across segments (fp32).
+// from the shapes (host), the boundaries (one CTA), the gate certificate (a CTA per boundary and
+// 32 heads), the plan (one CTA: cost model, work items, slots) and the scan across segments
+// (fp32).
 // fwd_context_parallel.h lists the launches; docs/context-parallel.md the math and the model.
 #include "sm90/fwd_context_parallel.h"
 
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -13,94 +13,289 @@
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
+#include "sm90/ptx.cuh"
 
 namespace flashgdn::sm90 {
 namespace {
 
 using cuda::ceil_div;
 
-constexpr int kPlanThreads = 512;
+constexpr int kPlanThreads = 256;
 constexpr int kMaxCandidates = 6;
-
-// ---- cost model (docs/context-parallel.md) -------------------------------------------------
-// Time in chunk-steps (one chunk of one chain on one SM), for chains of c_n chunks per value
-// head, Hv heads, `sms` SMs and segments of L chunks (sequences of more than L chunks split).
-// Every non-first segment is priced as exact (the gate is not known to the plan): phase 1 walks
-// every chunk once plus those segments' transfer matrices, phase 2 walks them again.
-//   over(L) = sum over split sequences of (c_n - L)     (chunks after their first segment)
-//   phase 1 = waves(Hv (sum c + over), longest item min(max c, L))
-//   phase 2 = waves(Hv over, L)
-//   waves(work, len) = ceil(work / (sms len)) len        (CTAs of len steps, sms at a time)
-// plus kCpFixedSteps for the extra launches. Without CP: waves(Hv sum c, max c).
-constexpr double kCpFixedSteps = 2.0;
-
-__host__ __device__ inline double waves(double work, double len, int sms) {
-  return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
-}
-
-__host__ __device__ inline double cp_steps(double sum_c, double max_c, double over, double L,
-                                           double hv, int sms) {
-  const double p1 = waves(hv * (sum_c + over), max_c < L ? max_c : L, sms);
-  const double p2 = over > 0 ? waves(hv * over, L, sms) : 0.0;
-  return p1 + p2 + kCpFixedSteps;
-}
 
 __device__ inline int64_t seq_chunks(const cuda::SeqLayout& s, int64_t n) {
   return ceil_div(cuda::seq_info(s, n).len, 64);
 }
 
+// Boundaries of sequence n (segment starts at multiples of L_min chunks) for a sequence of c chunks.
+__device__ inline int seq_bounds(int64_t c, int64_t min_chunks) {
+  return c > min_chunks ? static_cast<int>(ceil_div(c, min_chunks) - 1) : 0;
+}
+
+// ---- boundaries ----------------------------------------------------------------------------
+// One CTA. Every sequence of more than L_min chunks gets a boundary per possible segment start
+// k L_min (k >= 1), in sequence order (an exclusive scan); every candidate L = L_min 2^i starts
+// its segments on a subset of them, so one certificate per boundary serves every candidate.
+__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t min_chunks,
+                                                                  int64_t max_bounds, CpTables t) {
+  using Scan = cub::BlockScan<int, kPlanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int base;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int64_t n0 = 0; n0 < seq.N; n0 += kPlanThreads) {
+    const int64_t n = n0 + threadIdx.x;
+    const int64_t c = n < seq.N ? seq_chunks(seq, n) : 0;
+    const int nb = seq_bounds(c, min_chunks);
+    int b0, total;
+    Scan(tmp).ExclusiveSum(nb, b0, total);
+    b0 += base;
+    for (int k = 1; k <= nb && b0 + k - 1 < max_bounds; ++k)
+      t.bounds[b0 + k - 1] = make_int4(static_cast<int>(n), k, static_cast<int>(c), 0);
+    __syncthreads();
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) t.plan[kPlanBounds] = static_cast<int32_t>(min(static_cast<int64_t>(base), max_bounds));
+}
+
+// ---- certificate -----------------------------------------------------------------------------
+// A CTA per (boundary, up to 32 value heads). g and beta rows are [token][head]: a warp covers
+// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load), and
+// warp w sums the gates of chunks w + 1, w + 9, .. back from the boundary (window chunks in all)
+// and checks 0 <= beta <= 2 there. Warp 0 then walks the chunks in order: W = the fewest chunks
+// whose summed (floored) gate reaches kCertifyLogDecay with no refused beta among them and the
+// keys L2-normalised in the kernel; else the exact path.
+constexpr int kCertifyThreads = 256;
+
+// Summed gate and the beta test over one chunk's tokens t0 + i (i = 0, step, .. < 64) of head h,
+// with the storage dtypes as template parameters: a run-time dtype switch per load would keep
+// only one load in flight.
+template <typename TG, typename TB>
+__device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int64_t t0, int step, int32_t h,
+                                              float dt_bias, float A_log, float& g, bool& ok) {
+  const TG* gp = static_cast<const TG*>(p.g) + b * p.gs0 + h * p.gs2;
+  const TB* bp = static_cast<const TB*>(p.beta) + b * p.bs0 + h * p.bs2;
+  for (int i0 = 0; i0 < 64; i0 += 8 * step) {
+    float gv[8], bv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // loads first: the test must not make the next load wait
+      const int64_t t = t0 + i0 + u * step;
+      const bool in = i0 + u * step < 64;
+      gv[u] = in ? cuda::to_float(gp[t * p.gs1]) : 0.f;
+      bv[u] = in ? cuda::to_float(bp[t * p.bs1]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (i0 + u * step >= 64) continue;
+      g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
+      ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
+    }
+  }
+}
+
+template <typename TG>
+__device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int64_t t0, int step, int32_t h,
+                                              float dt_bias, float A_log, float& g, bool& ok) {
+  switch (p.beta_dtype) {
+    case FGDN_BFLOAT16: return certify_chunk<TG, __nv_bfloat16>(p, b, t0, step, h, dt_bias, A_log, g, ok);
+    case FGDN_FLOAT16: return certify_chunk<TG, __half>(p, b, t0, step, h, dt_bias, A_log, g, ok);
+    default: return certify_chunk<TG, float>(p, b, t0, step, h, dt_bias, A_log, g, ok);
+  }
+}
+
+// A CTA per (boundary, up to 32 value heads). g and beta rows are [token][head]: a warp covers
+// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load), and
+// warp w sums the gates of chunks w + 1, w + 9, .. back from the boundary (window chunks in all)
+// and checks 0 <= beta <= 2 there. Warp 0 then walks the chunks in order: W = the fewest chunks
+// whose summed (floored) gate reaches kCertifyLogDecay with no refused beta among them and the
+// keys L2-normalised in the kernel; else the exact path.
+__global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
+                                                                      CpTables t, int32_t min_chunks,
+                                                                      int32_t window) {
+  __shared__ float chunk_gate[kCertifyMaxChunks][32];  // +inf: a beta outside [0, 2]
+  const int64_t b = blockIdx.x;
+  if (b >= t.plan[kPlanBounds]) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t hv = static_cast<int32_t>(p.Hv);
+  const int32_t heads = min(32, hv - 32 * static_cast<int32_t>(blockIdx.y));  // this CTA's heads
+  int hw = 1;
+  while (hw < heads) hw *= 2;
+  const int lanes_t = 32 / hw;  // tokens per warp-wide load
+  const int hl = lane % hw, tsub = lane / hw;
+  const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
+  const int4 r = t.bounds[b];
+  const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
+  const int64_t first = si.t0 + static_cast<int64_t>(r.y) * min_chunks * 64;  // the segment's first token
+  if (p.l2norm) {
+    float dt_bias = 0.f, A_log = 0.f;
+    if (p.gate_in_kernel && hl < heads) {
+      dt_bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
+      A_log = p.A_log[h];
+    }
+    for (int w = warp; w < window; w += kCertifyThreads / 32) {
+      const int64_t t0 = first - 64 * static_cast<int64_t>(w + 1) + tsub;
+      float g = 0.f;
+      bool ok = true;
+      if (hl < heads) {
+        switch (p.g_dtype) {
+          case FGDN_BFLOAT16: certify_chunk<__nv_bfloat16>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
+          case FGDN_FLOAT16: certify_chunk<__half>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
+          default: certify_chunk<float>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
+        }
+      }
+      for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head
+        g += __shfl_xor_sync(0xffffffffu, g, m);
+        ok &= __shfl_xor_sync(0xffffffffu, static_cast<int>(ok), m) != 0;
+      }
+      if (tsub == 0) chunk_gate[w][hl] = ok ? g : INFINITY;
+    }
+  }
+  __syncthreads();
+  if (warp != 0 || lane >= heads) return;
+  int32_t warm = kExactSegment;
+  if (p.l2norm) {
+    float decay = 0.f;
+    for (int w = 0; w < window; ++w) {
+      const float g = chunk_gate[w][lane];
+      if (g == INFINITY) break;
+      decay += g;
+      if (decay <= kCertifyLogDecay) {
+        warm = w + 1;
+        break;
+      }
+    }
+  }
+  t.bound_warm[b * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = warm;
+}
+
+// ---- cost model (docs/context-parallel.md) -------------------------------------------------
+// Time in chunk-steps (one chunk of one chain on one SM) for Hv value heads on `sms` SMs and
+// segments of L chunks (sequences of more than L chunks split). From the certificates: a warm-up
+// segment walks W more chunks in phase 1; an exact one walks its M in phase 1 and again in
+// phase 2. Every CTA pays kFillSteps for its pipeline fill (the first chunk's chunk-local work
+// runs before the state role can start), and the scan kScanSteps per segment of the longest
+// chain.
+//   ctas1   = Hv items + exact           (items: one per unsplit sequence or segment)
+//   phase 1 = waves(Hv sum c + m + warm + F ctas1,  min(max c, L) + max W + F)
+//   phase 2 = waves(m + F exact, L + F)   (m: chunks of the exact segments)
+//   waves(work, len) = ceil(work / (sms len)) len        (CTAs of len steps, sms at a time)
+// plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
+constexpr double kCpFixedSteps = 2.0;
+constexpr double kFillSteps = 2.0;
+constexpr double kScanSteps = 0.25;
+
+// The plan's statistics of one candidate L, summed over its segments (and heads).
+struct CandidateStats {
+  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max;
+};
+struct PlanStats {
+  unsigned long long sum_c, max_c;
+  CandidateStats cand[kMaxCandidates];
+};
+
+// Block-wide sum (or max) of one statistic into shared memory: the warp's value by shuffles,
+// then one atomic per warp (integers: the result does not depend on the order).
+__device__ inline void block_accumulate(unsigned long long* to, unsigned long long x, bool is_max) {
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) {
+    const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, m);
+    x = is_max ? max(x, y) : x + y;
+  }
+  if ((threadIdx.x & 31) == 0) is_max ? atomicMax(to, x) : atomicAdd(to, x);
+}
+
+__device__ inline double waves(double work, double len, int sms) {
+  return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
+}
+
+__device__ inline double cp_steps(const CandidateStats& s, double sum_c, double max_c, double L, double hv,
+                                  int sms) {
+  const double exact = static_cast<double>(s.exact), m = static_cast<double>(s.exact_chunks);
+  const double ctas1 = hv * static_cast<double>(s.items) + exact;
+  const double p1 = waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kFillSteps * ctas1,
+                          (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kFillSteps, sms);
+  const double p2 = exact > 0 ? waves(m + kFillSteps * exact, L + kFillSteps, sms) : 0.0;
+  const double scan = kScanSteps * (ceil(max_c / L) - 1.0);
+  return p1 + p2 + scan + kCpFixedSteps;
+}
+
 // ---- plan ------------------------------------------------------------------------------------
-// One CTA. Pass 1 (unless L is fixed): per candidate L the cost model's inputs (sum c, max c,
-// over(L)) by block reductions, then the cheapest L, if it beats no split by 10%. Pass 2: the
-// items (one per unsplit sequence or segment) and slots (segments of split sequences), in
-// sequence order, by block-wide exclusive scans.
+// One CTA. Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs, from
+// the sequence lengths and the certificates of the boundaries it starts segments on (k a
+// multiple of 2^i); then the cheapest L, if it beats no split by 10%. Pass 2: the items (one per
+// unsplit sequence or segment) and slots (segments of split sequences), in sequence order, by
+// block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's certificate.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t min_chunks, int32_t candidates,
                                                                 int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, CpTables t) {
-  using Reduce = cub::BlockReduce<long long, kPlanThreads>;
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ union {
-    typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
+    PlanStats stats;
   } tmp;
-  __shared__ long long stat[2 + kMaxCandidates];
   __shared__ int chosen;
-  __shared__ int base[3];
+  __shared__ int base[4];
   const int64_t N = seq.N;
 
   if (candidates == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
   } else {
-    long long sum_c = 0, max_c = 0, over[kMaxCandidates] = {};
+    if (threadIdx.x == 0) tmp.stats = PlanStats{};
+    __syncthreads();
+    PlanStats own = {};
+    // Per sequence: chunks and items.
     for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
-      const long long c = seq_chunks(seq, n);
-      sum_c += c;
-      max_c = c > max_c ? c : max_c;
-      for (int i = 0; i < candidates; ++i) {
-        const long long L = static_cast<long long>(min_chunks) << i;
-        over[i] += c > L ? c - L : 0;
+      const unsigned long long c = static_cast<unsigned long long>(seq_chunks(seq, n));
+      own.sum_c += c;
+      own.max_c = c > own.max_c ? c : own.max_c;
+#pragma unroll
+      for (int i = 0; i < kMaxCandidates; ++i) {
+        const unsigned long long L = static_cast<unsigned long long>(min_chunks) << i;
+        own.cand[i].items += c > L ? (c + L - 1) / L : 1;
       }
     }
-    long long r = Reduce(tmp.reduce).Sum(sum_c);
-    if (threadIdx.x == 0) stat[0] = r;
-    __syncthreads();
-    r = Reduce(tmp.reduce).Reduce(max_c, [](long long x, long long y) { return x > y ? x : y; });
-    if (threadIdx.x == 0) stat[1] = r;
-    for (int i = 0; i < candidates; ++i) {
-      __syncthreads();
-      r = Reduce(tmp.reduce).Sum(over[i]);
-      if (threadIdx.x == 0) stat[2 + i] = r;
+    // Per (boundary, head): the segments' certificates.
+    const int64_t entries = static_cast<int64_t>(t.plan[kPlanBounds]) * hv;
+    for (int64_t e = threadIdx.x; e < entries; e += kPlanThreads) {
+      const int4 r = t.bounds[e / hv];
+      const int32_t warm = t.bound_warm[e];
+#pragma unroll
+      for (int i = 0; i < kMaxCandidates; ++i) {
+        if ((r.y & ((1 << i) - 1)) != 0) continue;  // not a segment start of L_min 2^i
+        CandidateStats& cs = own.cand[i];
+        const long long L = static_cast<long long>(min_chunks) << i;
+        const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * min_chunks;
+        if (warm == kExactSegment) {
+          cs.exact += 1;
+          cs.exact_chunks += static_cast<unsigned long long>(rest < L ? rest : L);
+        } else {
+          cs.warm_chunks += static_cast<unsigned long long>(warm);
+          cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
+        }
+      }
+    }
+    PlanStats& all = tmp.stats;
+    block_accumulate(&all.sum_c, own.sum_c, false);
+    block_accumulate(&all.max_c, own.max_c, true);
+#pragma unroll
+    for (int i = 0; i < kMaxCandidates; ++i) {
+      block_accumulate(&all.cand[i].items, own.cand[i].items, false);
+      block_accumulate(&all.cand[i].exact, own.cand[i].exact, false);
+      block_accumulate(&all.cand[i].exact_chunks, own.cand[i].exact_chunks, false);
+      block_accumulate(&all.cand[i].warm_chunks, own.cand[i].warm_chunks, false);
+      block_accumulate(&all.cand[i].warm_max, own.cand[i].warm_max, true);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      const double sc = static_cast<double>(stat[0]), mc = static_cast<double>(stat[1]);
-      double best = 0.9 * waves(hv * sc, mc, sms);
+      const double sc = static_cast<double>(all.sum_c), mc = static_cast<double>(all.max_c);
+      double best = 0.9 * waves(hv * (sc + kFillSteps * static_cast<double>(N)), mc + kFillSteps, sms);
       int L = INT32_MAX / 128;  // no split
       for (int i = 0; i < candidates; ++i) {
-        const double over_i = static_cast<double>(stat[2 + i]);
-        if (over_i <= 0) continue;
-        const double cost = cp_steps(sc, mc, over_i, static_cast<double>(min_chunks << i), hv, sms);
+        const double Li = static_cast<double>(min_chunks << i);
+        if (mc <= Li) continue;  // nothing splits
+        const double cost = cp_steps(all.cand[i], sc, mc, Li, hv, sms);
         if (cost < best) {
           best = cost;
           L = min_chunks << i;
@@ -109,7 +304,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       chosen = L;
     }
   }
-  if (threadIdx.x == 0) base[0] = base[1] = base[2] = 0;
+  if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = 0;
   __syncthreads();
   const int64_t L = chosen;
 
@@ -118,15 +313,18 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const int64_t c = n < N ? seq_chunks(seq, n) : 0;
     const bool split = c > L;
     const int nseg = n < N ? (split ? static_cast<int>(ceil_div(c, L)) : 1) : 0;
-    int item0, slot0, split0, items, slots, splits;
+    int item0, slot0, split0, bound0, items, slots, splits, bounds;
     Scan(tmp.scan).ExclusiveSum(nseg, item0, items);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? nseg : 0, slot0, slots);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? 1 : 0, split0, splits);
+    __syncthreads();
+    Scan(tmp.scan).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
     item0 += base[0];
     slot0 += base[1];
     split0 += base[2];
+    bound0 += base[3];
     if (n < N) {
       // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
       // writing past the tables.
@@ -134,7 +332,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
         t.items[item0 + s] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
       if (split) {
         for (int s = 0; s < nseg && slot0 + s < max_slots; ++s)
-          t.slots[slot0 + s] = make_int4(static_cast<int>(n), s, nseg, slot0);
+          t.slots[slot0 + s] = make_int4(static_cast<int>(n), s, nseg, bound0);
         if (split0 < max_splits) t.splits[split0] = make_int4(static_cast<int>(n), slot0, nseg, 0);
       }
     }
@@ -143,122 +341,114 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       base[0] += items;
       base[1] += slots;
       base[2] += splits;
+      base[3] += bounds;
     }
     __syncthreads();
+  }
+  const int32_t n_slots = static_cast<int32_t>(min(static_cast<int64_t>(base[1]), max_slots));
+  // Pass 3: segment s of a split sequence starts at its boundary k = s L / L_min (the slots'
+  // writes above are visible to the block after the barrier).
+  const int32_t stride = static_cast<int32_t>(L / min_chunks);
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_slots) * hv; e += kPlanThreads) {
+    const int4 u = t.slots[e / hv];
+    const int32_t h = static_cast<int32_t>(e % hv);
+    t.warm[e] = u.y == 0 ? 0 : t.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
   }
   if (threadIdx.x == 0) {
     t.plan[kPlanChunks] = static_cast<int32_t>(L);
     t.plan[kPlanItems] = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
-    t.plan[kPlanSlots] = static_cast<int32_t>(min(static_cast<int64_t>(base[1]), max_slots));
+    t.plan[kPlanSlots] = n_slots;
     t.plan[kPlanSplits] = static_cast<int32_t>(min(static_cast<int64_t>(base[2]), max_splits));
   }
 }
 
-// ---- certificate -----------------------------------------------------------------------------
-// A warp per (slot, value head). First segments start from h0 (warm 0). Otherwise, over the
-// whole chunks before the segment (chunk w = 1, 2, .. back from its first token; lane l sums
-// chunk w0 + l + 1, so 32 chunks' gates load at once), the fewest chunks W whose summed gate
-// reaches kCertifyLogDecay, provided every beta in them lies in [0, 2] and the keys are
-// L2-normalised in the kernel; else (or when W would exceed a segment) the exact path.
-__global__ void cp_certify_kernel(const __grid_constant__ FwdParams p, CpTables t) {
-  const int lane = threadIdx.x & 31;
-  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int32_t hv = static_cast<int32_t>(p.Hv);
-  const int64_t slot = gw / hv;
-  const int32_t h = static_cast<int32_t>(gw % hv);
-  if (slot >= t.plan[kPlanSlots]) return;
-  const int4 u = t.slots[slot];
-  int32_t warm = kExactSegment;
-  if (u.y == 0) {
-    warm = 0;
-  } else if (p.l2norm) {
-    const int32_t L = t.plan[kPlanChunks];
-    const cuda::SeqInfo si = cuda::seq_info(p.seq, u.x);
-    const int64_t first = si.t0 + static_cast<int64_t>(u.y) * L * 64;  // the segment's first token
-    float carry = 0.f;
-    for (int32_t w0 = 0; w0 < L; w0 += 32) {
-      const int32_t w = w0 + lane + 1;
-      float g = 0.f;
-      bool ok = true;
-      if (w <= L) {
-        const int64_t t0 = first - 64 * static_cast<int64_t>(w);
-        for (int i = 0; i < 64; ++i) {
-          g += token_gate(p, si.b, t0 + i, h);
-          const float b = token_beta(p, si.b, t0 + i, h);
-          ok = ok && b >= 0.f && b <= 2.f;
-        }
-      }
-      const float decay = carry + cuda::warp_inclusive_scan(g);
-      const uint32_t bad = __ballot_sync(0xffffffffu, !ok);
-      const uint32_t reached = __ballot_sync(0xffffffffu, w <= L && decay <= kCertifyLogDecay);
-      // The first chunk that reaches the bound counts only if no chunk up to it is refused.
-      const uint32_t first_reached = reached & (0u - reached);
-      if (first_reached != 0 && (bad & ((first_reached << 1) - 1u)) == 0) {
-        warm = w0 + __ffs(first_reached);
-        break;
-      }
-      if (bad != 0) break;
-      carry = __shfl_sync(0xffffffffu, decay, 31);
-    }
-  }
-  if (lane == 0) t.warm[slot * hv + h] = warm;
-}
-
 // ---- scan ------------------------------------------------------------------------------------
-// A CTA per (split sequence, value head, 16 state columns), 256 threads: thread (rows
-// 8 (tid / 16) .. + 7, column tid % 16). Along the sequence's segments s = 1, 2, ..:
+// A CTA per (split sequence, value head, 8 state columns), 256 threads: thread (rows g, g + 32,
+// .. with g = tid / 8, column tid % 8). Along the sequence's segments s = 1, 2, ..:
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
-// one is the sequence's final state (ht or the pool row, in its dtype and layout). M_s passes
-// through shared memory 64 columns at a time (coalesced loads; rows padded so that the float4
-// reads along k do not conflict).
+// one is the sequence's final state (ht or the pool row, in its dtype and layout). The chain is
+// latency-bound, so the next exact segment's M (64 KB at D = 128) is copied into shared memory
+// (cp.async, two buffers) while this one's product runs. Rows are padded by 4 floats: a warp
+// reads 4 consecutive rows at one k (float4 each) and 8 columns of S^T, both conflict-free.
+template <int kD>
+struct ScanTraits {
+  static constexpr int kThreads = 256, kCols = 8, kBlocksPerHead = kD / kCols;
+  static constexpr int kRowGroups = kThreads / kCols, kRows = kD / kRowGroups, kPitch = kD + 4;
+  static constexpr size_t kSmemBytes = (2 * kD + kCols) * kPitch * sizeof(float);
+};
+
 template <int kD>
 __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ FwdParams p, CpTables t) {
-  constexpr int kCols = 16, kBlocksPerHead = kD / kCols, kRows = kD / 16, kHalf = 64;
-  __shared__ float S[kD][kCols];
-  __shared__ __align__(16) float Ms[kD][kHalf + 4];
+  using Tr = ScanTraits<kD>;
+  constexpr int kCols = Tr::kCols, kRows = Tr::kRows, kPitch = Tr::kPitch, kRowGroups = Tr::kRowGroups;
+  extern __shared__ float4 scan_smem[];
+  float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
+  float* St = Ms + 2 * kD * kPitch;                  // [kCols][kPitch]: S_end(s - 1)^T
   const int32_t hv = static_cast<int32_t>(p.Hv);
-  const int64_t unit = blockIdx.x / kBlocksPerHead;
-  const int col0 = static_cast<int>(blockIdx.x % kBlocksPerHead) * kCols;
+  const int64_t unit = blockIdx.x / Tr::kBlocksPerHead;
+  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * kCols;
   const int64_t sid = unit / hv;
   const int32_t h = static_cast<int32_t>(unit % hv);
   if (sid >= t.plan[kPlanSplits]) return;
   const int4 u = t.splits[sid];  // {n, first slot, segments}
-  const int c = threadIdx.x % kCols, r0 = (threadIdx.x / kCols) * kRows;
+  const int c = threadIdx.x % kCols, g = threadIdx.x / kCols;
   auto at = [&](float* base, int64_t slot, int row) { return base + ((slot * hv + h) * kD + row) * kD; };
+  auto exact = [&](int s) {
+    return s < u.z && t.warm[(static_cast<int64_t>(u.y) + s) * hv + h] == kExactSegment;
+  };
+  // Copy of segment s's M into buffer s % 2 (16 bytes per thread per step).
+  auto fetch_m = [&](int s) {
+    float* dst = Ms + (s & 1) * kD * kPitch;
+    for (int i = threadIdx.x; i < kD * kD / 4; i += Tr::kThreads) {
+      const int row = i / (kD / 4), q = i % (kD / 4);
+      cp_async_16(dst + row * kPitch + 4 * q, at(p.cp.trans, u.y + s, row) + 4 * q);
+    }
+  };
 
-  float acc[kRows];
+  // One step ahead: the next segment's N (or E) in registers, its M in shared memory, and the
+  // exactness of the one after (it decides that M's copy).
+  float acc[kRows], next[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = at(p.cp.ends, u.y, r0 + r)[col0 + c];
+  for (int r = 0; r < kRows; ++r) {
+    acc[r] = at(p.cp.ends, u.y, r * kRowGroups + g)[col0 + c];
+    next[r] = u.z > 1 ? at(p.cp.ends, u.y + 1, r * kRowGroups + g)[col0 + c] : 0.f;
+  }
+  bool exact_this = exact(1), exact_next = exact(2);
+  if (exact_this) fetch_m(1);
+  cp_async_commit();
   for (int s = 1; s < u.z; ++s) {
     const int64_t slot = u.y + s;
-    __syncthreads();  // the previous step's reads of S are done
+    const bool run = exact_this;
+    __syncthreads();  // the previous step's reads of St and of buffer (s + 1) % 2 are done
+    if (exact_next) fetch_m(s + 1);
+    cp_async_commit();
+    exact_this = exact_next;
+    exact_next = exact(s + 2);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) S[r0 + r][c] = acc[r];
+    for (int r = 0; r < kRows; ++r) {
+      St[c * kPitch + r * kRowGroups + g] = acc[r];
+      acc[r] = next[r];
+      if (s + 1 < u.z) next[r] = at(p.cp.ends, slot + 1, r * kRowGroups + g)[col0 + c];
+    }
+    if (!run) continue;
+    cp_async_wait<1>();  // this thread's copies of M_s are done (those of M_{s+1} may fly)
+    __syncthreads();     // ... and everyone's, and St is written
+    const float* M = Ms + (s & 1) * kD * kPitch;
+#pragma unroll 4
+    for (int k = 0; k < kD; k += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(&St[c * kPitch + k]);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = at(p.cp.ends, slot, r0 + r)[col0 + c];
-    if (t.warm[slot * hv + h] != kExactSegment) continue;
-    for (int k0 = 0; k0 < kD; k0 += kHalf) {
-      __syncthreads();  // S written; the previous half's reads of Ms done
-      for (int i = threadIdx.x; i < kD * kHalf / 4; i += 256) {
-        const int row = i / (kHalf / 4), q = i % (kHalf / 4);
-        *reinterpret_cast<float4*>(&Ms[row][4 * q]) =
-            *reinterpret_cast<const float4*>(at(p.cp.trans, slot, row) + k0 + 4 * q);
-      }
-      __syncthreads();
-      for (int k = 0; k < kHalf; k += 4) {
-        const float s0 = S[k0 + k][c], s1 = S[k0 + k + 1][c], s2 = S[k0 + k + 2][c], s3 = S[k0 + k + 3][c];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float4 m = *reinterpret_cast<const float4*>(&Ms[r0 + r][k]);
-          acc[r] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[r]))));
-        }
+      for (int r = 0; r < kRows; ++r) {
+        const float4 m = *reinterpret_cast<const float4*>(&M[(r * kRowGroups + g) * kPitch + k]);
+        acc[r] = fmaf(m.x, x.x, fmaf(m.y, x.y, fmaf(m.z, x.z, fmaf(m.w, x.w, acc[r]))));
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) at(p.cp.ends, slot, r0 + r)[col0 + c] = acc[r];
+    for (int r = 0; r < kRows; ++r) at(p.cp.ends, slot, r * kRowGroups + g)[col0 + c] = acc[r];
   }
+  cp_async_wait<0>();
   if (!p.write_final) return;
   StateRef dst = p.ht;
   int64_t row = u.x;
@@ -269,7 +459,8 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
   if (row < 0 || dst.data == nullptr) return;
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
-    cuda::store_from_float(dst.data, dst.dtype, state_offset(dst, row, h, r0 + r, col0 + c, p.v_first), acc[r]);
+    cuda::store_from_float(dst.data, dst.dtype,
+                           state_offset(dst, row, h, r * kRowGroups + g, col0 + c, p.v_first), acc[r]);
 }
 
 }  // namespace
@@ -286,7 +477,8 @@ CpLayout cp_layout(const Problem& p, int sms) {
     c.min_chunks = static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, INT32_MAX / 128));
     c.candidates = 1;
   } else {
-    // Candidates from half the balanced load up (shorter segments cannot pay for their joins).
+    // Candidates from a quarter of the balanced load up (shorter segments cannot pay for their
+    // joins).
     int64_t L = 4;
     while (2 * L <= balanced / 2) L *= 2;
     c.min_chunks = static_cast<int32_t>(L);
@@ -296,13 +488,29 @@ CpLayout cp_layout(const Problem& p, int sms) {
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   c.enabled = true;
   const int64_t L = c.min_chunks;
+  c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
   // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
-  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L).
+  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
+  // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
+  const int64_t C = ceil_div(p.T, 64);
   c.max_items = p.N + ceil_div(sum_c, L);
-  c.max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (ceil_div(p.T, 64) > L ? p.B * ceil_div(ceil_div(p.T, 64), L) : 0);
+  c.max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   c.max_splits = sum_c / (L + 1) + 1;
+  c.max_bounds = p.varlen ? sum_c / L : (C > L ? p.B * (ceil_div(C, L) - 1) : 0);
   c.state_bytes = static_cast<size_t>(c.max_slots) * p.Hv * p.K * p.K * sizeof(float);
   return c;
+}
+
+void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.min_chunks, c.max_bounds, t);
+  FGDN_CHECK_LAUNCH("cp_bounds_kernel");
+}
+
+void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
+  if (c.max_bounds == 0) return;
+  const dim3 grid(static_cast<unsigned>(c.max_bounds), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
+  cp_certify_kernel<<<grid, kCertifyThreads, 0, stream>>>(fp, t, c.min_chunks, c.window);
+  FGDN_CHECK_LAUNCH("cp_certify_kernel");
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
@@ -311,21 +519,22 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   FGDN_CHECK_LAUNCH("cp_plan_kernel");
 }
 
-void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  const int64_t warps = c.max_slots * fp.Hv;
-  if (warps == 0) return;
-  cp_certify_kernel<<<static_cast<unsigned>(ceil_div(warps, 4)), 128, 0, stream>>>(fp, t);
-  FGDN_CHECK_LAUNCH("cp_certify_kernel");
+template <int kD>
+void launch_scan(int64_t units, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
+  constexpr size_t bytes = ScanTraits<kD>::kSmemBytes;
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_scan_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(bytes)));
+  cp_scan_kernel<kD><<<static_cast<unsigned>(units), ScanTraits<kD>::kThreads, bytes, stream>>>(fp, t);
+  FGDN_CHECK_LAUNCH("cp_scan_kernel");
 }
 
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  const int64_t units = c.max_splits * fp.Hv * (fp.state_dim / 16);
+  const int64_t units = c.max_splits * fp.Hv * (fp.state_dim / 8);
   if (units == 0) return;
   if (fp.state_dim == 128)
-    cp_scan_kernel<128><<<static_cast<unsigned>(units), 256, 0, stream>>>(fp, t);
+    launch_scan<128>(units, fp, t, stream);
   else
-    cp_scan_kernel<64><<<static_cast<unsigned>(units), 256, 0, stream>>>(fp, t);
-  FGDN_CHECK_LAUNCH("cp_scan_kernel");
+    launch_scan<64>(units, fp, t, stream);
 }
 
 }  // namespace flashgdn::sm90

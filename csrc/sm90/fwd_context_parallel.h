@@ -4,16 +4,19 @@
 // model and the measurements; this header is the contract between the host and the kernels.
 //
 // Launches, all on the caller's stream (no host synchronisation; capturable in a CUDA graph):
-//   1. plan     (one CTA): reads the sequence lengths, picks L by the cost model (or takes the
-//               caller's), and writes the work items and the slots (segments of split
-//               sequences) into the workspace;
-//   2. certify  (a warp per slot and head): the gate decides, per (sequence, head, segment),
-//               between a warm-up start (W chunks early, from zero) and the exact path;
-//   3. forward phase 1: whole sequences, first segments (from h0), warm-up segments (with o),
+//   1. bounds   (one CTA): every possible segment start, at multiples of the shortest candidate
+//               segment length L_min, of the sequences long enough to split;
+//   2. certify  (a CTA per boundary and 32 value heads): the gate decides, per (sequence, head,
+//               boundary), between a warm-up start (W chunks early, from zero) and the exact
+//               path;
+//   3. plan     (one CTA): reads the sequence lengths and the certificates, picks L by the cost
+//               model (or takes the caller's), and writes the work items, the slots (segments
+//               of split sequences) and each slot's warm-up into the workspace;
+//   4. forward phase 1: whole sequences, first segments (from h0), warm-up segments (with o),
 //               and for exact segments the local state N (from zero) and the transfer M;
-//   4. scan     : S_end(s) = M_s S_end(s - 1) + N_s over each split sequence's segments, in
+//   5. scan     : S_end(s) = M_s S_end(s - 1) + N_s over each split sequence's segments, in
 //               fp32; writes the final state;
-//   5. forward phase 2: exact segments again from their true start state, writing o.
+//   6. forward phase 2: exact segments again from their true start state, writing o.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,7 +35,8 @@ enum CpPlanWord : int {
   kPlanItems = 1,   // work items of phase 1 (one per unsplit sequence or segment)
   kPlanSlots = 2,   // segments of split sequences
   kPlanSplits = 3,  // split sequences
-  kPlanWords = 4,
+  kPlanBounds = 4,  // segment starts certified (multiples of L_min chunks)
+  kPlanWords = 5,
 };
 
 // cp.warm[] value of a segment that takes the exact path.
@@ -43,8 +47,12 @@ constexpr int32_t kExactSegment = -1;
 // exp(sum of g over those chunks) ||S||. W is the fewest whole chunks whose summed (floored)
 // gate reaches this bound: e^-16 = 1.1e-7 of the state's norm, four orders below a bf16 ulp and
 // below the error of the high precision level's final state (5e-6). The warm-up is at most
-// one segment long (longer, and the exact path costs less).
+// the shortest candidate segment long (longer, and the exact path costs less), and at most
+// kCertifyMaxChunks chunks: the certificate reads every token of its window for every head
+// (92 us at 16/64 1x32768 with 64 chunks), and a gate that has not decayed by e^-16 in 1024
+// tokens is rare enough to take the exact path.
 constexpr float kCertifyLogDecay = -16.f;
+constexpr int32_t kCertifyMaxChunks = 16;
 
 // ---- host -----------------------------------------------------------------------------------
 // Whether and how a call runs with CP, from the shapes alone (the workspace query reads no
@@ -55,7 +63,8 @@ struct CpLayout {
   int32_t sms = 0;
   int32_t min_chunks = 0;  // candidates L = min_chunks << i, i < candidates (one when fixed)
   int32_t candidates = 0;
-  int64_t max_items = 0, max_slots = 0, max_splits = 0;
+  int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
+  int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
 };
 
@@ -66,14 +75,17 @@ CpLayout cp_layout(const Problem& p, int sms);
 // The plan's tables in the workspace (device pointers).
 struct CpTables {
   int32_t* plan;
-  int4* items;
-  int4* slots;
-  int4* splits;  // per split sequence {n, first slot, segments, 0}
-  int32_t* warm;
+  int4* items;       // per work item {n, seg, slot or -1, nseg}
+  int4* slots;       // per slot {n, seg, nseg, the sequence's first boundary}
+  int4* splits;      // per split sequence {n, first slot, segments, 0}
+  int32_t* warm;     // [slot x Hv]: the slot's warm-up chunks or kExactSegment
+  int4* bounds;      // per boundary {n, k (start chunk / L_min), chunks of n, 0}
+  int32_t* bound_warm;  // [boundary x Hv]: the certificate's warm-up chunks or kExactSegment
 };
 
-void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
+void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
+void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 
 }  // namespace flashgdn::sm90

@@ -33,7 +33,8 @@ int sm_count(int device_id) {
 struct Workspace {
   size_t ckpt = 0, q = 0, k = 0, v = 0;
   CpLayout cp;
-  size_t cp_plan = 0, cp_items = 0, cp_slots = 0, cp_splits = 0, cp_warm = 0, cp_ends = 0, cp_trans = 0;
+  size_t cp_plan = 0, cp_items = 0, cp_slots = 0, cp_splits = 0, cp_warm = 0;
+  size_t cp_bounds = 0, cp_bound_warm = 0, cp_ends = 0, cp_trans = 0;
   size_t total = 0;
 };
 
@@ -58,6 +59,8 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
     w.cp_slots = take(static_cast<size_t>(c.max_slots) * sizeof(int4));
     w.cp_splits = take(static_cast<size_t>(c.max_splits) * sizeof(int4));
     w.cp_warm = take(static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t));
+    w.cp_bounds = take(static_cast<size_t>(c.max_bounds) * sizeof(int4));
+    w.cp_bound_warm = take(static_cast<size_t>(c.max_bounds) * p.Hv * sizeof(int32_t));
     w.cp_ends = take(c.state_bytes);
     w.cp_trans = take(c.state_bytes);
   }
@@ -187,7 +190,8 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     launch(fp, p.N * p.Hv);
     return;
   }
-  // Context parallelism (fwd_context_parallel.h): plan, certificate, phase 1, scan, phase 2.
+  // Context parallelism (fwd_context_parallel.h): boundaries, certificate, plan, phase 1, scan,
+  // phase 2.
   const CpLayout& c = wl.cp;
   CpTables t;
   t.plan = reinterpret_cast<int32_t*>(ws + wl.cp_plan);
@@ -195,6 +199,8 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   t.slots = reinterpret_cast<int4*>(ws + wl.cp_slots);
   t.splits = reinterpret_cast<int4*>(ws + wl.cp_splits);
   t.warm = reinterpret_cast<int32_t*>(ws + wl.cp_warm);
+  t.bounds = reinterpret_cast<int4*>(ws + wl.cp_bounds);
+  t.bound_warm = reinterpret_cast<int32_t*>(ws + wl.cp_bound_warm);
   fp.cp.max_slots = static_cast<int32_t>(c.max_slots);
   fp.cp.plan = t.plan;
   fp.cp.items = t.items;
@@ -202,8 +208,9 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   fp.cp.warm = t.warm;
   fp.cp.ends = reinterpret_cast<float*>(ws + wl.cp_ends);
   fp.cp.trans = reinterpret_cast<float*>(ws + wl.cp_trans);
-  launch_cp_plan(c, fp, t, stream);
+  launch_cp_bounds(c, fp, t, stream);
   launch_cp_certify(c, fp, t, stream);
+  launch_cp_plan(c, fp, t, stream);
   fp.cp.phase = 1;
   launch(fp, (c.max_slots + c.max_items) * p.Hv);
   launch_cp_scan(c, fp, t, stream);

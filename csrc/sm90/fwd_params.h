@@ -29,7 +29,7 @@ struct CpRef {
   int32_t max_slots = 0;        // grid bound of the slot range (host, shapes only)
   const int32_t* plan = nullptr;   // [kPlanWords]: chosen chunks per segment, counts
   const int4* items = nullptr;     // per work item {n, seg, slot or -1, nseg}
-  const int4* slots = nullptr;     // per slot (segment of a split sequence) {n, seg, nseg, first}
+  const int4* slots = nullptr;     // per slot (segment of a split sequence) {n, seg, nseg, bound0}
   const int32_t* warm = nullptr;   // [slot x Hv]: warm-up chunks (>= 0) or kExactSegment
   float* ends = nullptr;           // [slot][Hv][D][D] fp32: segment end states (E / N)
   float* trans = nullptr;          // [slot][Hv][D][D] fp32: transfer matrices M

@@ -1,5 +1,5 @@
-// Thin wrappers of the sm_90a PTX the Hopper kernels use: mbarriers, the TMA tile copy, proxy
-// fences, named barriers, register reallocation, ldmatrix/stmatrix. One instruction each, named
+// Thin wrappers of the sm_90a PTX the Hopper kernels use: mbarriers, the TMA tile copy, cp.async,
+// proxy fences, named barriers, register reallocation, ldmatrix/stmatrix. One instruction each, named
 // as in the PTX ISA, so the kernels read like the protocol they implement. (Why not CuTe: see
 // docs/design.md, "Why thin PTX wrappers".)
 #pragma once
@@ -71,6 +71,17 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, Mbarrier
       " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// ---- cp.async (per-thread 16-byte copies into shared memory, in commit groups) -------------
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Blocks until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 // ---- named barriers and register reallocation ----------------------------------------------
