@@ -378,6 +378,24 @@ def test_package_metadata_declares_torch_not_numpy():
     assert any(r.startswith("numpy") for r in oracle), reqs
 
 
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.stdlib_module_names (Python >= 3.10)")
+def test_import_flashgdn_adds_no_module_beyond_torch_and_the_stdlib():
+    """Everything `import flashgdn` (and its self-timing command, flashgdn.bench) imports once
+    torch is imported is flashgdn itself or the standard library: torch is its one requirement."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        before = set(sys.modules)
+        import flashgdn, flashgdn.bench
+        new = {m.split(".")[0] for m in set(sys.modules) - before}
+        print(sorted(new - set(sys.stdlib_module_names) - {"flashgdn"}))
+    """)
+    env = dict(os.environ, FLASHGDN_FLA_BACKEND="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(__file__))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
+
+
 # ---- FLA itself ---------------------------------------------------------------------------------
 
 
