@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hiding import hide_prelude
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 if str(BENCH_DIR) not in sys.path:
@@ -335,16 +336,7 @@ def test_default_results_folder_is_bench_results():
 def test_without_flashgdn_its_cells_say_not_installed_and_the_oracle_is_torch():
     """flashgdn hidden: its contender is unavailable, the oracle falls back to the float64 torch
     recurrence; with flashgdn, its C++ oracle and that recurrence agree."""
-    script = textwrap.dedent(f"""
-        import importlib.machinery, sys
-        class Hide:  # as if flashgdn were not installed
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "flashgdn":
-                    return None
-                return importlib.machinery.PathFinder.find_spec(name, path, target)
-            def invalidate_caches(self):
-                importlib.machinery.PathFinder.invalidate_caches()
-        sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+    script = hide_prelude("flashgdn") + textwrap.dedent(f"""
         sys.path.insert(0, {str(BENCH_DIR)!r})
         from gdnbench import configs as C, contenders, inputs, oracle
         try:

@@ -11,6 +11,7 @@ import torch
 
 import flashgdn
 from flashgdn import bench
+from hiding import hide_prelude
 
 TINY = ["--T", "70", "--heads", "1/2", "--dim", "32", "--warmup", "1", "--reps", "2"]
 
@@ -60,17 +61,8 @@ def test_cpu_run_times_and_checks(extra):
 def _module(args, hide_numpy=False):
     """``python -m flashgdn.bench ARGS`` in a subprocess, numpy hidden if asked (as if it were
     not installed); the last line of its stdout says whether numpy got imported."""
-    script = textwrap.dedent(f"""
-        import importlib.machinery, runpy, sys
-        class Hide:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "numpy":
-                    return None
-                return importlib.machinery.PathFinder.find_spec(name, path, target)
-            def invalidate_caches(self):
-                importlib.machinery.PathFinder.invalidate_caches()
-        if {hide_numpy}:
-            sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+    script = (hide_prelude("numpy") if hide_numpy else "import sys\n") + textwrap.dedent(f"""
+        import runpy
         sys.argv = ["flashgdn.bench"] + {args!r}
         try:
             runpy.run_module("flashgdn.bench", run_name="__main__")
