@@ -1,6 +1,6 @@
 """Which kernels take the time: flashgdn forward and forward+backward under torch.profiler,
 CUDA time per kernel name, at (Hq, Hv) = (16, 64) and (2, 8), one sequence of T tokens, with the
-benchmark's inputs (flashgdn.bench.inputs).
+benchmark's inputs (gdnbench.inputs, next to this file).
 
     python bench/profile_kernels.py [--T 32768] [--out kernels.md]
 """
@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashgdn
-from flashgdn.bench.configs import seq
-from flashgdn.bench.inputs import make_inputs
+from gdnbench.configs import seq
+from gdnbench.inputs import make_inputs
 
 
 def kernel_table(fn, reps=3):

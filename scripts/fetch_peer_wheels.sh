@@ -96,12 +96,12 @@ and the ignored paths already carried between calls; a fresh machine needs both 
     for f in .whl/peers-b/*.tar.xz; do tar -xJf $f -C /tmp/peers || exit 1; done
     export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
     export FLA_DISABLE_BACKEND_DISPATCH=1
-    python3 -m flashgdn.bench --quick --out $OUT        # or: python3 python/flashgdn/bench ...
+    python3 bench/run.py --quick --out $OUT
 
 PYTHONPATH does not read .pth files: nvidia-cutlass-dsl's nvidia_cutlass_dsl_packages.pth would add
 /tmp/peers/nvidia_cutlass_dsl/dsl_packages to sys.path (where its Python package `cutlass` lives,
 from -libs-core); add it to PYTHONPATH yourself, as above. FlashInfer is imported as
 flashinfer.gdn_prefill; its package __init__ imports every module it has, and where that fails
 (packages the GDN path does not need, e.g. nccl4py, cudnn-frontend) the benchmark loads the
-module without the package __init__ (see python/flashgdn/bench/contenders.py).
+module without the package __init__ (see bench/gdnbench/contenders.py).
 EOF

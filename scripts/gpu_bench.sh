@@ -5,7 +5,7 @@
 #                                                 # and a carried .whl/peer-cache/ into $PEER_CACHE
 #   bash scripts/gpu_bench.sh install             # flashgdn into /tmp/site (dist/*.whl if carried, else built)
 #   bash scripts/gpu_bench.sh prewarm [ARGS...]   # compile the peers' kernels for the full matrix (no timing)
-#   bash scripts/gpu_bench.sh part I/N [ARGS...]  # python -m flashgdn.bench --full --part I/N --out $OUT/part-I
+#   bash scripts/gpu_bench.sh part I/N [ARGS...]  # python bench/run.py --full --part I/N --out $OUT/part-I
 #   bash scripts/gpu_bench.sh pack-caches         # $PEER_CACHE as xz parts of 15 MiB; the first 4 into $OUT/peer-cache
 #   bash scripts/gpu_bench.sh cache-parts I J     # parts I..J (0-based) into $OUT/peer-cache (the rest, 4 a call)
 #
@@ -55,11 +55,11 @@ case $step in
       $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
     fi ;;
   prewarm)
-    # By path, so that it needs no flashgdn build: it only runs the peers.
-    $PY python/flashgdn/bench prewarm --full --contenders flashqla,fla,flashinfer "$@" ;;
+    # Only the peers: it needs no flashgdn build.
+    $PY bench/run.py prewarm --full --contenders flashqla,fla,flashinfer "$@" ;;
   part)
     p=${1:?part I/N}; shift
-    $PY -m flashgdn.bench --full --part "$p" --out "$OUT/part-${p%%/*}" \
+    $PY bench/run.py --full --part "$p" --out "$OUT/part-${p%%/*}" \
       --commit "${FLASHGDN_COMMIT:-unknown}" "$@" ;;
   pack-caches)
     rm -rf "$PACKED" && mkdir -p "$PACKED" "$OUT/peer-cache"

@@ -64,9 +64,9 @@ if has sanitize; then
 fi
 
 if has time; then
-  # Forward and forward+backward at (16, 64) and (2, 8), T = 32768: the benchmark's cells,
-  # flashgdn alone (python -m flashgdn.bench compares it with the peers).
-  $PY -m flashgdn.bench --full --configs 16/64,2/8 --layouts 1x32768 --modes fwd,fwdbwd \
+  # Forward and forward+backward at (16, 64) and (2, 8), T = 32768: the peer benchmark's cells,
+  # flashgdn alone (bench/run.py compares it with the peers when they are installed).
+  $PY bench/run.py --full --configs 16/64,2/8 --layouts 1x32768 --modes fwd,fwdbwd \
     --contenders flashgdn --no-check --commit "${FLASHGDN_COMMIT:-unknown}" --out "$OUT/timing" \
     >"$OUT/timing.log" 2>&1
   grep -E '^(fwd|bwd)' "$OUT/timing.log" | tail -8

@@ -13,7 +13,8 @@ of an FLA op does), or at once when it was imported before flashgdn; FLA < 0.6 i
 set later it turns the backend off from the next call (FLA reads ``env_var`` per call;
 ``FLA_FLASHGDN=1`` forces it on, FLA's rule for every backend type). Since FLA reads
 ``FLA_DISABLE_BACKEND_DISPATCH`` when it imports ``fla.backends``, deferring the import keeps that
-switch working for programs that set it after importing flashgdn (flashgdn.bench does).
+switch working for programs that set it after importing flashgdn (the repository's peer
+benchmark, bench/run.py, does).
 ``register()`` registers by hand (e.g. with another priority). The verifier accepts exactly the calls flashgdn runs
 with FLA's meaning and declines the rest, with the reason FLA logs at INFO level
 (``logging.getLogger("fla.backends")``), so FLA runs them itself:

@@ -1,11 +1,24 @@
-"""CPU tests of the benchmark harness's bookkeeping (no GPU, no peers): the matrix and its
-split into parts, the compile warm-up plan, and merging the parts' results into one table."""
+"""CPU tests of the peer benchmark harness, the repository's bench/gdnbench (not part of the
+installed package), without a GPU or peers: the matrix and its split into parts, the compile
+warm-up plan, merging the parts' results into one table, and its entry points (bench/run.py and
+the warm-up's worker processes) with and without flashgdn."""
 import json
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-from flashgdn.bench import configs as C
-from flashgdn.bench import prewarm as P
-from flashgdn.bench import report as R
+import pytest
+from hiding import hide_prelude
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+from gdnbench import configs as C  # noqa: E402
+from gdnbench import prewarm as P  # noqa: E402
+from gdnbench import report as R  # noqa: E402
 
 
 def test_full_matrix_matches_the_issue():
@@ -221,7 +234,7 @@ def test_warmup_skips_gradient_tasks_after_a_refused_backward(monkeypatch):
 
 
 def test_drain_runs_ready_items_in_order_and_waits_for_the_rest():
-    from flashgdn.bench.cli import drain
+    from gdnbench.cli import drain
 
     ready = {"a", "b"}
     ran, skipped, waits = [], [], []
@@ -289,3 +302,70 @@ def test_quiet_stops_the_warm_up_processes_and_continues_them(monkeypatch):
             P._LIVE.discard(p)
         P._signal_group(p, 9)
         p.wait()
+
+
+# ---- the harness's entry points, with and without flashgdn -------------------------------------
+
+def _run_script(*args):
+    return subprocess.run([sys.executable, str(BENCH_DIR / "run.py"), *args], capture_output=True, text=True,
+                          cwd=str(BENCH_DIR.parent), timeout=300)
+
+
+def test_run_script_lists_and_validates_without_a_gpu():
+    r = _run_script("--full", "--list", "--part", "1/2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    n = len(C.part_of(C.full_cells(), 1, 2))
+    assert r.stdout.strip().splitlines()[-1].startswith(f"{n} cells, ")
+    r = _run_script("--full", "--part", "3/2")
+    assert r.returncode != 0 and "--part: expected i/n with 1 <= i <= n, got 3/2" in r.stderr
+
+
+def test_prewarm_workers_run_the_script():
+    """A warm-up task runs as its own process (bench/run.py prewarm-task) and reports back, here
+    the error of an unknown contender."""
+    assert P.RUN_SCRIPT == BENCH_DIR / "run.py" and P.RUN_SCRIPT.is_file()
+    r = P._run_one(dict(contender="nosuch", Hq=2, Hv=8, grad=False, layouts=[]), 240)
+    assert r["calls"] == [] and r["error"] == "KeyError: 'nosuch'", r
+
+
+def test_default_results_folder_is_bench_results():
+    out = R.default_out_dir({"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-23 10:00 UTC"})
+    assert out == BENCH_DIR / "results" / "h100-80gb-hbm3-2026-11-23"
+
+
+def test_without_flashgdn_its_cells_say_not_installed_and_the_oracle_is_torch():
+    """flashgdn hidden: its contender is unavailable, the oracle falls back to the float64 torch
+    recurrence; with flashgdn, its C++ oracle and that recurrence agree."""
+    script = hide_prelude("flashgdn") + textwrap.dedent(f"""
+        sys.path.insert(0, {str(BENCH_DIR)!r})
+        from gdnbench import configs as C, contenders, inputs, oracle
+        try:
+            contenders.FlashGDN().load()
+        except contenders.Unavailable as e:
+            print("unavailable:", e)
+        x = inputs.make_inputs(1, 2, C.Layout("varlen", (5, 9)), device="cpu", requires_grad=True,
+                               with_grads_out=True)
+        ref = oracle.oracle(x, True)
+        assert sorted(k for k, v in ref.items() if v is not None) == sorted(
+            ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "oracle"]), ref.keys()
+        print(ref["oracle"])
+        assert "flashgdn" not in sys.modules
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("unavailable: ModuleNotFoundError") and "flashgdn" in lines[0]
+    assert lines[1].startswith("torch float64 recurrence (flashgdn.reference unavailable")
+
+    try:
+        import flashgdn.reference  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"flashgdn.reference does not import here: {e}")
+    from gdnbench import inputs, oracle
+
+    x = inputs.make_inputs(1, 2, C.Layout("varlen", (5, 9)), device="cpu", requires_grad=True, with_grads_out=True)
+    ref = oracle.oracle(x, True)
+    assert ref["oracle"] == "flashgdn.reference (C++ float64)"
+    leaves = {n: x[n].detach().double() for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, ht = oracle._torch_recurrence(*leaves.values(), x["scale"], x["cu_host"])
+    assert oracle.rel_l2(o, ref["o"]) < 1e-7 and oracle.rel_l2(ht, ref["ht"]) < 1e-7  # bench/README.md: 1e-8

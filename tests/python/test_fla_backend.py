@@ -17,6 +17,7 @@ import torch
 import flashgdn
 from flashgdn import chunk_gated_delta_rule, fla_backend
 from gdn_testutil import check, make_case, oracle_backward, oracle_forward
+from hiding import hide_prelude
 from test_api import FLA_POSITIONAL
 
 
@@ -334,16 +335,7 @@ def test_import_time_registration_is_deferred(tmp_path, version, registers):
 def test_import_flashgdn_without_fla_or_numpy():
     """`import flashgdn` and a call need only what the package declares (torch): numpy and FLA
     blocked, the import works, a CPU call runs, neither is imported."""
-    script = textwrap.dedent("""
-        import importlib.machinery, sys
-        class Hide:  # sys.path's finder, blind to numpy and fla: as if neither were installed
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("numpy", "fla"):
-                    return None
-                return importlib.machinery.PathFinder.find_spec(name, path, target)
-            def invalidate_caches(self):
-                importlib.machinery.PathFinder.invalidate_caches()
-        sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+    script = hide_prelude("numpy", "fla") + textwrap.dedent("""
         import warnings
         warnings.simplefilter("ignore")
         import torch, flashgdn
@@ -376,6 +368,24 @@ def test_package_metadata_declares_torch_not_numpy():
     assert names == {"torch"}, reqs
     oracle = [r for r in reqs if "extra == \"oracle\"" in r.replace("'", "\"")]
     assert any(r.startswith("numpy") for r in oracle), reqs
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.stdlib_module_names (Python >= 3.10)")
+def test_import_flashgdn_adds_no_module_beyond_torch_and_the_stdlib():
+    """Everything `import flashgdn` (and its self-timing command, flashgdn.bench) imports once
+    torch is imported is flashgdn itself or the standard library: torch is its one requirement."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        before = set(sys.modules)
+        import flashgdn, flashgdn.bench
+        new = {m.split(".")[0] for m in set(sys.modules) - before}
+        print(sorted(new - set(sys.stdlib_module_names) - {"flashgdn"}))
+    """)
+    env = dict(os.environ, FLASHGDN_FLA_BACKEND="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(__file__))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
 
 
 # ---- FLA itself ---------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Results: CSV, JSON, a markdown table, PNG plots; merging the parts of a split run.
 
-    python -m flashgdn.bench report --merge DIR [DIR ...] --out DIR
-    (or python python/flashgdn/bench report ... where flashgdn is not built)
+    python bench/run.py report --merge DIR [DIR ...] --out DIR
 """
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 CONTENDER_ORDER = ["flashgdn", "flashqla", "flashinfer", "fla"]
 PEERS = ["flashqla", "flashinfer", "fla"]
@@ -22,17 +21,11 @@ CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode",
               "floor_flop", "floor_bytes", "wall_s", "warmup_running"]
 
 
-def _repo_root() -> Optional[Path]:
-    p = Path(__file__).resolve().parents[3]
-    return p if (p / "bench").is_dir() and (p / "python").is_dir() else None
-
-
 def default_out_dir(hdr: Dict) -> Path:
+    """bench/results/<gpu>-<date>/ next to this package."""
     from .cli import gpu_slug
 
-    name = f"{gpu_slug(hdr['gpu'])}-{hdr['date'][:10]}"
-    root = _repo_root()
-    return (root / "bench" / "results" / name) if root else (Path.cwd() / "bench-results" / name)
+    return Path(__file__).resolve().parents[1] / "results" / f"{gpu_slug(hdr['gpu'])}-{hdr['date'][:10]}"
 
 
 def _ok(r) -> bool:
@@ -428,7 +421,7 @@ def matrix_order(r: Dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashgdn.bench report")
+    p = argparse.ArgumentParser(prog="python bench/run.py report")
     p.add_argument("--merge", nargs="+", required=True, help="result folders (each with results.json)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)

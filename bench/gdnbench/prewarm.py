@@ -20,7 +20,7 @@ FLA's autotuning: in these processes Triton's autotuner runs each configuration 
 timing it (``_autotune_compiles_only``), nothing of it is kept (FLA_CACHE_RESULTS=0), and the
 timed process autotunes for real, with the binaries already on disk.
 
-    python -m flashgdn.bench prewarm --full --part 1/2 [--workers 12]   # standalone, same selection flags
+    python bench/run.py prewarm --full --part 1/2 [--workers 12]   # standalone, same selection flags
 
 Markers (opt-in: set FLASHGDN_PREWARM_DIR to a folder kept together with the compile caches,
 as scripts/gpu_bench.sh does under /tmp/peer-cache): a task that completed writes a marker
@@ -53,6 +53,7 @@ _LIVE_CV = threading.Condition()
 _PAUSED = [False]    # while set (quiet), no worker process starts
 DRAIN_S = 0.03       # after stopping the workers: the GPU work they queued (a few ms) drains
 MAX_PAUSE_S = 60.0   # the workers continue after this long in any case
+RUN_SCRIPT = Path(__file__).resolve().parents[1] / "run.py"  # what each worker process runs
 
 
 def known_layouts() -> Dict[str, C.Layout]:
@@ -191,10 +192,8 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 def _run_one(spec: Dict, timeout_s: float) -> Dict:
     env = dict(os.environ, FLA_CACHE_RESULTS="0")
-    # ``python -m flashgdn.bench`` normally; by path (``python python/flashgdn/bench``) where
-    # flashgdn is not built and this package is loaded as "flashgdn_bench".
-    entry = ["-m", __package__] if __package__ == "flashgdn.bench" else [os.path.dirname(os.path.abspath(__file__))]
-    cmd = [sys.executable, *entry, "prewarm-task", json.dumps(spec)]
+    # bench/run.py, however the timed process was started (it or ``python -m gdnbench``).
+    cmd = [sys.executable, str(RUN_SCRIPT), "prewarm-task", json.dumps(spec)]
     t0 = time.perf_counter()
     with _LIVE_CV:
         _LIVE_CV.wait_for(lambda: not _PAUSED[0])

@@ -1,4 +1,4 @@
-"""The benchmark driver: ``python -m flashgdn.bench [--quick | --full [--part i/n]] ...``."""
+"""The benchmark driver: ``python bench/run.py [--quick | --full [--part i/n]] ...``."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,7 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="python -m flashgdn.bench",
+        prog="python bench/run.py",
         description="Time flashgdn against FlashQLA, FlashInfer and FLA (K = V = 128, bf16, realistic gates).")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--quick", action="store_true", help="a handful of cells (default)")
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     except Exception:  # pragma: no cover
         tqdm = None
     if not torch.cuda.is_available():
-        print("flashgdn.bench: no CUDA device", file=sys.stderr)
+        print("gdnbench: no CUDA device", file=sys.stderr)
         return 2
 
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
 
     def wait():
         if warm is None or not warm.pending():  # nothing can become ready: a bug, not a wait
-            raise RuntimeError("flashgdn.bench: items not ready with no warm-up task left")
+            raise RuntimeError("gdnbench: items not ready with no warm-up task left")
         warm.wait(timeout=max(1.0, a.budget_s - (time.monotonic() - t_start)))
 
     # Everything imported so far (torch, the peers' compilers) stays alive to the end: freeze it,
