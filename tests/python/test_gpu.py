@@ -208,9 +208,9 @@ def _fixed_case(lengths=(1000, 37, 513, 0, 64, 1)):
                      gate_in_kernel=True, l2norm=True, seed=1234)
 
 
-def _fwd_bwd_bits(c, do=None, dht=None):
+def _fwd_bwd_bits(c, do=None, dht=None, **cp):
     kw = c.lowlevel_kwargs()
-    o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw)
+    o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw, **cp)
     if do is None:
         gen = torch.Generator().manual_seed(99)
         do = torch.randn(o.shape, generator=gen).to(device=DEV, dtype=o.dtype)
@@ -236,14 +236,18 @@ def _seq_grads_slice(gr_list, t0, L, n):
     return [o[:, s], ht[n], dq[:, s], dk[:, s], dv[:, s], dg[:, s], dbeta[:, s], dh0[n]]
 
 
-def test_batch_invariance():
+# Batch invariance is promised with context parallelism off or with a fixed segment length
+# (docs/context-parallel.md): the automatic segment length depends on the whole call.
+@pytest.mark.parametrize("cp", [dict(context_parallel=False), dict(context_parallel=True, cp_segment=256)],
+                         ids=["cp_off", "cp_segment_256"])
+def test_batch_invariance(cp):
     """A sequence's outputs and gradients are bitwise identical whatever is packed beside it."""
     L = 777
     alone = _fixed_case([L])
     packs = [[300, L, 0, 1500], [L, 64], [1, 0, L]]
     do_a = torch.randn(1, L, 16, 128, device=DEV).to(torch.bfloat16)
     dht_a = torch.randn(1, 16, 128, 128, device=DEV)
-    ref = _seq_grads_slice(_fwd_bwd_bits(alone, do_a, dht_a), 0, L, 0)
+    ref = _seq_grads_slice(_fwd_bwd_bits(alone, do_a, dht_a, **cp), 0, L, 0)
     for lengths in packs:
         pos = lengths.index(L)
         t0 = sum(lengths[:pos])
@@ -258,7 +262,7 @@ def test_batch_invariance():
         do[:, t0:t0 + L] = do_a
         dht = torch.randn(c.initial_state.shape, device=DEV)
         dht[pos] = dht_a[0]
-        got = _seq_grads_slice(_fwd_bwd_bits(c, do, dht), t0, L, pos)
+        got = _seq_grads_slice(_fwd_bwd_bits(c, do, dht, **cp), t0, L, pos)
         for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
             assert torch.equal(a, b), f"{name} differs when packed as {lengths}"
 
