@@ -4,6 +4,7 @@
 // (fp32).
 // fwd_context_parallel.h lists the launches; docs/context-parallel.md the math and the model.
 #include "sm90/fwd_context_parallel.h"
+#include "sm90/cp_cost_model.h"
 
 #include <cub/block/block_scan.cuh>
 
@@ -21,7 +22,6 @@ namespace {
 using cuda::ceil_div;
 
 constexpr int kPlanThreads = 256;
-constexpr int kMaxCandidates = 6;
 
 __device__ inline int64_t seq_chunks(const cuda::SeqLayout& s, int64_t n) {
   return ceil_div(cuda::seq_info(s, n).len, 64);
@@ -169,29 +169,10 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   t.bound_warm[b * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = warm;
 }
 
-// ---- cost model (docs/context-parallel.md) -------------------------------------------------
-// Time in chunk-steps (one chunk of one chain on one SM) for Hv value heads on `sms` SMs and
-// segments of L chunks (sequences of more than L chunks split). From the certificates: a warm-up
-// segment walks W more chunks in phase 1; an exact one walks its M in phase 1 and again in
-// phase 2. Every CTA pays kFillSteps for its pipeline fill (the first chunk's chunk-local work
-// runs before the state role can start), and the scan kScanSteps per segment of the longest
-// chain.
-//   ctas1   = Hv items + exact           (items: one per unsplit sequence or segment)
-//   phase 1 = waves(Hv sum c + m + warm + F ctas1,  min(max c, L) + max W + F)
-//   phase 2 = waves(m + F exact, L + F)   (m: chunks of the exact segments)
-//   waves(work, len) = ceil(work / (sms len)) len        (CTAs of len steps, sms at a time)
-// plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
-constexpr double kCpFixedSteps = 2.0;
-constexpr double kFillSteps = 2.0;
-constexpr double kScanSteps = 0.25;
-
-// The plan's statistics of one candidate L, summed over its segments (and heads).
-struct CandidateStats {
-  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max;
-};
+// ---- plan statistics (the cost model is cp_cost_model.h) ------------------------------------
 struct PlanStats {
   unsigned long long sum_c, max_c;
-  CandidateStats cand[kMaxCandidates];
+  CpCandidateStats cand[kCpMaxCandidates];
 };
 
 // Block-wide sum (or max) of one statistic into shared memory: the warp's value by shuffles,
@@ -203,21 +184,6 @@ __device__ inline void block_accumulate(unsigned long long* to, unsigned long lo
     x = is_max ? max(x, y) : x + y;
   }
   if ((threadIdx.x & 31) == 0) is_max ? atomicMax(to, x) : atomicAdd(to, x);
-}
-
-__device__ inline double waves(double work, double len, int sms) {
-  return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
-}
-
-__device__ inline double cp_steps(const CandidateStats& s, double sum_c, double max_c, double L, double hv,
-                                  int sms) {
-  const double exact = static_cast<double>(s.exact), m = static_cast<double>(s.exact_chunks);
-  const double ctas1 = hv * static_cast<double>(s.items) + exact;
-  const double p1 = waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kFillSteps * ctas1,
-                          (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kFillSteps, sms);
-  const double p2 = exact > 0 ? waves(m + kFillSteps * exact, L + kFillSteps, sms) : 0.0;
-  const double scan = kScanSteps * (ceil(max_c / L) - 1.0);
-  return p1 + p2 + scan + kCpFixedSteps;
 }
 
 // ---- plan ------------------------------------------------------------------------------------
@@ -251,7 +217,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       own.sum_c += c;
       own.max_c = c > own.max_c ? c : own.max_c;
 #pragma unroll
-      for (int i = 0; i < kMaxCandidates; ++i) {
+      for (int i = 0; i < kCpMaxCandidates; ++i) {
         const unsigned long long L = static_cast<unsigned long long>(min_chunks) << i;
         own.cand[i].items += c > L ? (c + L - 1) / L : 1;
       }
@@ -262,9 +228,9 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const int4 r = t.bounds[e / hv];
       const int32_t warm = t.bound_warm[e];
 #pragma unroll
-      for (int i = 0; i < kMaxCandidates; ++i) {
+      for (int i = 0; i < kCpMaxCandidates; ++i) {
         if ((r.y & ((1 << i) - 1)) != 0) continue;  // not a segment start of L_min 2^i
-        CandidateStats& cs = own.cand[i];
+        CpCandidateStats& cs = own.cand[i];
         const long long L = static_cast<long long>(min_chunks) << i;
         const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * min_chunks;
         if (warm == kExactSegment) {
@@ -280,7 +246,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     block_accumulate(&all.sum_c, own.sum_c, false);
     block_accumulate(&all.max_c, own.max_c, true);
 #pragma unroll
-    for (int i = 0; i < kMaxCandidates; ++i) {
+    for (int i = 0; i < kCpMaxCandidates; ++i) {
       block_accumulate(&all.cand[i].items, own.cand[i].items, false);
       block_accumulate(&all.cand[i].exact, own.cand[i].exact, false);
       block_accumulate(&all.cand[i].exact_chunks, own.cand[i].exact_chunks, false);
@@ -288,21 +254,9 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       block_accumulate(&all.cand[i].warm_max, own.cand[i].warm_max, true);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      const double sc = static_cast<double>(all.sum_c), mc = static_cast<double>(all.max_c);
-      double best = 0.9 * waves(hv * (sc + kFillSteps * static_cast<double>(N)), mc + kFillSteps, sms);
-      int L = INT32_MAX / 128;  // no split
-      for (int i = 0; i < candidates; ++i) {
-        const double Li = static_cast<double>(min_chunks << i);
-        if (mc <= Li) continue;  // nothing splits
-        const double cost = cp_steps(all.cand[i], sc, mc, Li, hv, sms);
-        if (cost < best) {
-          best = cost;
-          L = min_chunks << i;
-        }
-      }
-      chosen = L;
-    }
+    if (threadIdx.x == 0)
+      chosen = cp_choose_chunks(all.cand, candidates, min_chunks, static_cast<double>(all.sum_c),
+                                static_cast<double>(all.max_c), static_cast<double>(N), hv, sms);
   }
   if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = 0;
   __syncthreads();
@@ -474,15 +428,13 @@ CpLayout cp_layout(const Problem& p, int sms) {
   const int64_t longest = ceil_div(p.T, 64);  // varlen: T is the packed total
   const int64_t balanced = ceil_div(p.Hv * sum_c, sms);
   if (p.cp_segment > 0) {
-    c.min_chunks = static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, INT32_MAX / 128));
+    c.min_chunks = static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, kCpNoSplit));
     c.candidates = 1;
   } else {
     // Candidates from a quarter of the balanced load up (shorter segments cannot pay for their
     // joins).
-    int64_t L = 4;
-    while (2 * L <= balanced / 2) L *= 2;
-    c.min_chunks = static_cast<int32_t>(L);
-    c.candidates = kMaxCandidates;
+    c.min_chunks = cp_min_chunks(balanced);
+    c.candidates = kCpMaxCandidates;
   }
   const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;

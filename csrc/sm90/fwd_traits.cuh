@@ -44,7 +44,7 @@ struct FwdTraits {
 
   // Registers per thread by role (setmaxnreg). The CTA starts with 65536 / kThreads registers a
   // thread (128 at D = 128, 168 at D = 64) and the budgets must add up to no more than that, or
-  // setmaxnreg.inc waits forever: 24 + 88 + 2 x 200 = 512 = 4 x 128; 24 + 240 + 240 = 504 = 3 x 168.
+  // setmaxnreg.inc waits forever: 32 + 80 + 2 x 200 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
   // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
   // fragments (D/4); the chunk-local one a 64 x 64 accumulator and small tiles of the inverse.
   static constexpr uint32_t kProducerRegs = 32;

@@ -1,0 +1,88 @@
+// The cost model of the context-parallel plan (docs/context-parallel.md, "The cost model"),
+// host and device: the plan kernel calls it on the GPU, tests/cpp/test_cp_cost_model.cpp on the
+// host with the statistics of known shapes.
+//
+// Time is counted in chunk-steps (one chunk of one chain on one SM), for Hv value heads on `sms`
+// SMs and segments of L chunks (sequences of more than L chunks split). From the certificates of
+// the boundaries that start L's segments: a warm-up segment walks W more chunks in phase 1; an
+// exact one walks its M in phase 1, takes a scan step and walks again in phase 2. Every CTA pays
+// kCpFillSteps for its pipeline fill (its first chunk's chunk-local work runs before the state
+// role can start).
+//   ctas1   = Hv items + exact                        (items: unsplit sequences and segments)
+//   phase 1 = waves(Hv sum c + m + warm + F ctas1,  min(max c, L) + max W + F)
+//   phase 2 = waves(m + F exact, L + F)                (m: chunks of the exact segments)
+//   scan    = kCpScanSteps (ceil(max c / L) - 1)
+//   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
+// plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+
+#include "common/host_device.h"
+
+namespace flashgdn::sm90 {
+
+constexpr double kCpFixedSteps = 2.0;
+constexpr double kCpFillSteps = 2.0;
+// A scan step against a chunk-step, as measured (Nsight Compute, H100, 2/8 1x32768: ~4.4 us a
+// scan step, ~5.8 us a chunk-step of phase 1; bench/NOTES.md, CP step 4).
+constexpr double kCpScanSteps = 0.75;
+// A split must beat no split by this factor.
+constexpr double kCpMinGain = 0.9;
+// cp.plan[kPlanChunks] when nothing splits.
+constexpr int32_t kCpNoSplit = INT32_MAX / 128;
+constexpr int kCpMaxCandidates = 6;
+
+// The plan's statistics of one candidate L, summed over its segments and heads.
+struct CpCandidateStats {
+  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max;
+};
+
+FGDN_HOST_DEVICE inline double cp_waves(double work, double len, int sms) {
+  return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
+}
+
+FGDN_HOST_DEVICE inline double cp_unsplit_steps(double sum_c, double max_c, double n, double hv, int sms) {
+  return cp_waves(hv * (sum_c + kCpFillSteps * n), max_c + kCpFillSteps, sms);
+}
+
+FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c, double max_c, double L,
+                                        double hv, int sms) {
+  const double exact = static_cast<double>(s.exact), m = static_cast<double>(s.exact_chunks);
+  const double ctas1 = hv * static_cast<double>(s.items) + exact;
+  const double p1 = cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1,
+                             (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kCpFillSteps, sms);
+  const double p2 = exact > 0 ? cp_waves(m + kCpFillSteps * exact, L + kCpFillSteps, sms) : 0.0;
+  const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
+  return p1 + p2 + scan + kCpFixedSteps;
+}
+
+// The plan's choice: the cheapest candidate L = min_chunks 2^i (i < candidates) that splits
+// something and costs under kCpMinGain x no split; else kCpNoSplit.
+FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
+                                                 double sum_c, double max_c, double n, double hv, int sms) {
+  double best = kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+  int32_t chosen = kCpNoSplit;
+  for (int i = 0; i < candidates; ++i) {
+    const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
+    if (max_c <= L) continue;  // nothing splits
+    const double cost = cp_steps(stats[i], sum_c, max_c, L, hv, sms);
+    if (cost < best) {
+      best = cost;
+      chosen = min_chunks << i;
+    }
+  }
+  return chosen;
+}
+
+// The shortest candidate: the smallest power of two, at least 4, above a quarter of the
+// balanced load (chunk-steps per SM if every chain were spread evenly).
+FGDN_HOST_DEVICE inline int32_t cp_min_chunks(int64_t balanced) {
+  int64_t L = 4;
+  while (2 * L <= balanced / 2) L *= 2;
+  return static_cast<int32_t>(L);
+}
+
+}  // namespace flashgdn::sm90

@@ -1,0 +1,126 @@
+// The context-parallel plan's cost model (csrc/sm90/cp_cost_model.h) on the host: the segment
+// length it picks for shapes whose GPU timings are in bench/NOTES.md ("Context parallelism,
+// step 4"), and the cases where it must not split. The statistics are built here the way the
+// plan kernel sums them (fwd_context_parallel.cu), from sequence lengths and one certificate per
+// head (a warm-up of W chunks at every boundary, or the exact path).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "sm90/cp_cost_model.h"
+
+namespace {
+
+using flashgdn::sm90::CpCandidateStats;
+using namespace flashgdn::sm90;
+
+constexpr int kH100Sms = 132;
+constexpr int32_t kExact = -1;
+
+struct Shape {
+  std::vector<int64_t> tokens;  // per sequence
+  std::vector<int32_t> warm;    // per value head: W chunks, or kExact
+};
+
+struct Choice {
+  int32_t min_chunks, chunks;
+  double cost, unsplit;
+};
+
+Choice plan(const Shape& s, int sms = kH100Sms) {
+  const int64_t hv = static_cast<int64_t>(s.warm.size());
+  int64_t sum_c = 0, max_c = 0;
+  std::vector<int64_t> c;
+  for (int64_t t : s.tokens) {
+    c.push_back((t + 63) / 64);
+    sum_c += c.back();
+    max_c = std::max(max_c, c.back());
+  }
+  Choice r{};
+  r.min_chunks = cp_min_chunks((hv * sum_c + sms - 1) / sms);
+  CpCandidateStats st[kCpMaxCandidates] = {};
+  for (int i = 0; i < kCpMaxCandidates; ++i) {
+    const int64_t L = static_cast<int64_t>(r.min_chunks) << i;
+    for (int64_t cn : c) {
+      st[i].items += cn > L ? (cn + L - 1) / L : 1;
+      for (int64_t start = L; start < cn; start += L)  // the segments after the first
+        for (int32_t w : s.warm) {
+          if (w == kExact) {
+            st[i].exact += 1;
+            st[i].exact_chunks += static_cast<unsigned long long>(std::min(L, cn - start));
+          } else {
+            st[i].warm_chunks += static_cast<unsigned long long>(w);
+            st[i].warm_max = std::max<unsigned long long>(st[i].warm_max, w);
+          }
+        }
+    }
+  }
+  const double n = static_cast<double>(c.size());
+  r.chunks = cp_choose_chunks(st, kCpMaxCandidates, r.min_chunks, double(sum_c), double(max_c), n, double(hv), sms);
+  r.unsplit = cp_unsplit_steps(double(sum_c), double(max_c), n, double(hv), sms);
+  r.cost = r.chunks == kCpNoSplit ? r.unsplit
+                                  : cp_steps(st[__builtin_ctz(static_cast<unsigned>(r.chunks / r.min_chunks))],
+                                             double(sum_c), double(max_c), double(r.chunks), double(hv), sms);
+  return r;
+}
+
+// The benchmark's gates (bench/gdnbench/inputs.py, examples/run.cpp): head 0 never decays and
+// takes the exact path; every other head certifies within one chunk.
+std::vector<int32_t> bench_gates(int hv) {
+  std::vector<int32_t> w(static_cast<size_t>(hv), 1);
+  w[0] = kExact;
+  return w;
+}
+
+TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
+  // 16/64 1x32768: L_min = 64 (a quarter of 249 balanced steps is 62); 8 segments of 64.
+  // Measured 2.56 ms unsplit -> 1.80 ms (ratio 0.70; the model says 0.66: 341 of 514 steps).
+  Choice r = plan({{32768}, bench_gates(64)});
+  EXPECT_EQ(r.min_chunks, 64);
+  EXPECT_EQ(r.chunks, 64);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.664, 0.005);
+  // 2/8 1x32768: L_min = 16; 32 segments. Measured 2.50 -> 0.531 ms (0.21; model 0.20).
+  r = plan({{32768}, bench_gates(8)});
+  EXPECT_EQ(r.min_chunks, 16);
+  EXPECT_EQ(r.chunks, 16);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.195, 0.005);
+  // 8/32 1x32768: L = 32. Measured 2.56 -> 1.01 ms (0.40; model 0.36).
+  r = plan({{32768}, bench_gates(32)});
+  EXPECT_EQ(r.chunks, 32);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.364, 0.005);
+}
+
+TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {
+  // Every head exact (no in-kernel l2norm, or no decay): at 16/64 1x32768 each segment costs
+  // an M walk and a second pass, and 64 chains already fill half the SMs.
+  const Choice r = plan({{32768}, std::vector<int32_t>(64, kExact)});
+  EXPECT_EQ(r.chunks, kCpNoSplit);
+  EXPECT_EQ(r.cost, r.unsplit);
+}
+
+TEST(CpCostModel, ManyChainsStayWhole) {
+  // 16/64 4x8192 fills the SMs twice over without splitting.
+  const Choice r = plan({{8192, 8192, 8192, 8192}, bench_gates(64)});
+  EXPECT_EQ(r.chunks, kCpNoSplit);
+}
+
+TEST(CpCostModel, OneLongSequenceAmongShortOnesSplits) {
+  // A varlen pack of one 16384-token sequence and 40 of 400 tokens at 2/8: only the long one
+  // can split, and it must, or its chain is the whole call.
+  Shape s{{16384}, bench_gates(8)};
+  s.tokens.insert(s.tokens.end(), 40, 400);
+  const Choice r = plan(s);
+  EXPECT_NE(r.chunks, kCpNoSplit);
+  EXPECT_LT(r.cost, 0.5 * r.unsplit);
+}
+
+TEST(CpCostModel, MinChunksIsAPowerOfTwoAboveAQuarterOfTheBalancedLoad) {
+  EXPECT_EQ(cp_min_chunks(0), 4);
+  EXPECT_EQ(cp_min_chunks(31), 8);
+  EXPECT_EQ(cp_min_chunks(32), 16);
+  EXPECT_EQ(cp_min_chunks(249), 64);
+  EXPECT_EQ(cp_min_chunks(256), 128);
+}
+
+}  // namespace
