@@ -211,8 +211,7 @@ def vllm_chunk_gated_delta_rule(
     o_out, ht, _ = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         cu_seqlens, cu_seqlens_host=host, state_indices=state_indices, state_v_first=True, o=o,
-        check_inputs=check_inputs, precision=precision,
-        final_state_dtype=torch.float32 if state_indices is None else None, before_launch=hook)
+        check_inputs=check_inputs, precision=precision, before_launch=hook)
     return o_out, ht
 
 
