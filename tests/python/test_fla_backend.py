@@ -399,7 +399,9 @@ def _fla():
         import fla.backends as backends
     except Exception as e:  # not installed, or broken
         pytest.skip(f"fla-core is not importable here ({type(e).__name__}: {e}); "
-                    "scripts/setup.sh installs fla-core==0.6.0 on Python >= 3.10")
+                    "scripts/setup.sh installs fla-core==0.6.0 on Python >= 3.10; on a machine "
+                    "without a package registry, bash scripts/fetch_fla_wheel.sh elsewhere and carry "
+                    ".whl/fla (scripts/gpu_check.sh puts it on PYTHONPATH)")
     if fla_backend._version_tuple(fla.__version__) < fla_backend.MIN_FLA_VERSION:
         pytest.skip(f"fla-core {fla.__version__} < 0.6 has no backend registry")
     return fla_chunk, backends
