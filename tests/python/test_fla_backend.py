@@ -539,7 +539,7 @@ def test_fla_own_kernels_return_flashgdns_default_dtypes(h0_dtype, monkeypatch):
     monkeypatch.setenv(fla_backend.ENV_VAR, "0")
     monkeypatch.setenv("FLA_FLASH_QLA", "0")
     c = make_case(lengths=[200, 1, 129], Hq=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=4,
-                  initial_state=h0_dtype is not None)
+                  initial_state=h0_dtype is not None, cu_dtype=torch.int64)  # int64 offsets, as FLA's tests
     h0 = None if h0_dtype is None else c.initial_state.to(h0_dtype)
     kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=c.cu_seqlens)
     with torch.no_grad():
