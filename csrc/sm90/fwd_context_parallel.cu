@@ -189,9 +189,10 @@ __device__ inline void block_accumulate(unsigned long long* to, unsigned long lo
 // ---- plan ------------------------------------------------------------------------------------
 // One CTA. Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs, from
 // the sequence lengths and the certificates of the boundaries it starts segments on (k a
-// multiple of 2^i); then the cheapest L, if it beats no split by 10%. Pass 2: the items (one per
-// unsplit sequence or segment) and slots (segments of split sequences), in sequence order, by
-// block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's certificate.
+// multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
+// sequence or segment), longest first, and the slots (segments of split sequences), in sequence
+// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's
+// certificate.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t min_chunks, int32_t candidates,
                                                                 int64_t max_items, int64_t max_slots,
@@ -262,28 +263,56 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();
   const int64_t L = chosen;
 
+  // Items go out longest first (phase 1's CTAs start in grid order, so a long chain placed last
+  // would run alone at the end): buckets of floor(log2(chunks)), longest bucket first. Within a
+  // bucket the order is the atomics' and does not matter: an item's results do not depend on
+  // the CTA that runs it.
+  __shared__ int bucket_next[32];
+  auto nseg_of = [&](int64_t c) { return c > L ? static_cast<int>(ceil_div(c, L)) : 1; };
+  auto bucket_of = [&](int64_t c, int s) {  // segment s of a sequence of c chunks
+    const int64_t len = c > L ? min(L, c - s * L) : c;
+    return len > 0 ? 63 - __clzll(static_cast<unsigned long long>(len)) : 0;
+  };
+  if (threadIdx.x < 32) bucket_next[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
+    const int64_t c = seq_chunks(seq, n);
+    for (int s = 0, nseg = nseg_of(c); s < nseg; ++s) atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int start = 0;
+    for (int b = 31; b >= 0; --b) {
+      const int count = bucket_next[b];
+      bucket_next[b] = start;
+      start += count;
+    }
+  }
+  __syncthreads();
+
   for (int64_t n0 = 0; n0 < N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < N ? seq_chunks(seq, n) : 0;
     const bool split = c > L;
-    const int nseg = n < N ? (split ? static_cast<int>(ceil_div(c, L)) : 1) : 0;
+    const int nseg = n < N ? nseg_of(c) : 0;
     int item0, slot0, split0, bound0, items, slots, splits, bounds;
-    Scan(tmp.scan).ExclusiveSum(nseg, item0, items);
+    Scan(tmp.scan).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? nseg : 0, slot0, slots);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? 1 : 0, split0, splits);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
-    item0 += base[0];
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
     if (n < N) {
       // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
       // writing past the tables.
-      for (int s = 0; s < nseg && item0 + s < max_items; ++s)
-        t.items[item0 + s] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
+      for (int s = 0; s < nseg; ++s) {
+        const int at = atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+        if (at < max_items) t.items[at] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
+      }
       if (split) {
         for (int s = 0; s < nseg && slot0 + s < max_slots; ++s)
           t.slots[slot0 + s] = make_int4(static_cast<int>(n), s, nseg, bound0);
