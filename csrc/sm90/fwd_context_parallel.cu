@@ -14,6 +14,7 @@
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
+#include "sm90/mma_tf32.cuh"
 #include "sm90/ptx.cuh"
 
 namespace flashgdn::sm90 {
@@ -346,38 +347,45 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
 }
 
 // ---- scan ------------------------------------------------------------------------------------
-// A CTA per (split sequence, value head, 8 state columns), 256 threads: thread (rows g, g + 32,
-// .. with g = tid / 8, column tid % 8). Along the sequence's segments s = 1, 2, ..:
+// A CTA per (split sequence, value head, 8 state columns), a warp per 16 state rows. Along the
+// sequence's segments s = 1, 2, ..:
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
-// one is the sequence's final state (ht or the pool row, in its dtype and layout). The chain is
-// latency-bound, so the next exact segment's M (64 KB at D = 128) is copied into shared memory
-// (cp.async, two buffers) while this one's product runs. Rows are padded by 4 floats: a warp
-// reads 4 consecutive rows at one k (float4 each) and 8 columns of S^T, both conflict-free.
+// one is the sequence's final state (ht or the pool row, in its dtype and layout). The product
+// is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA chain it
+// replaces: 128-term sums in fp32 carry ~2^-20 anyway): the FMA version was bound by its
+// shared-memory reads (~4.4 us a step at 2/8). The chain is latency-bound, so the next exact
+// segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
+// this one's product runs. Rows of M and S^T are padded to kD + 4 floats (= 4 mod 32), so the
+// mma fragments' reads touch 32 distinct banks.
 template <int kD>
 struct ScanTraits {
-  static constexpr int kThreads = 256, kCols = 8, kBlocksPerHead = kD / kCols;
-  static constexpr int kRowGroups = kThreads / kCols, kRows = kD / kRowGroups, kPitch = kD + 4;
+  static constexpr int kWarps = kD / 16, kThreads = 32 * kWarps, kCols = 8, kBlocksPerHead = kD / kCols;
+  static constexpr int kPitch = kD + 4;
   static constexpr size_t kSmemBytes = (2 * kD + kCols) * kPitch * sizeof(float);
 };
 
 template <int kD>
-__global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ FwdParams p, CpTables t) {
+__global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
+                                                                           CpTables t) {
   using Tr = ScanTraits<kD>;
-  constexpr int kCols = Tr::kCols, kRows = Tr::kRows, kPitch = Tr::kPitch, kRowGroups = Tr::kRowGroups;
+  constexpr int kPitch = Tr::kPitch;
   extern __shared__ float4 scan_smem[];
   float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
   float* St = Ms + 2 * kD * kPitch;                  // [kCols][kPitch]: S_end(s - 1)^T
   const int32_t hv = static_cast<int32_t>(p.Hv);
   const int64_t unit = blockIdx.x / Tr::kBlocksPerHead;
-  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * kCols;
+  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * Tr::kCols;
   const int64_t sid = unit / hv;
   const int32_t h = static_cast<int32_t>(unit % hv);
   if (sid >= t.plan[kPlanSplits]) return;
   const int4 u = t.splits[sid];  // {n, first slot, segments}
-  const int c = threadIdx.x % kCols, g = threadIdx.x / kCols;
+  // The thread's elements, in the m16n8 accumulator layout: rows r0 and r0 + 8, columns cc, cc + 1.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int r0 = 16 * warp + g, cc = 2 * q;
   auto at = [&](float* base, int64_t slot, int row) { return base + ((slot * hv + h) * kD + row) * kD; };
+  auto load2 = [&](int64_t slot, int row) { return *reinterpret_cast<const float2*>(at(p.cp.ends, slot, row) + col0 + cc); };
   auto exact = [&](int s) {
     return s < u.z && t.warm[(static_cast<int64_t>(u.y) + s) * hv + h] == kExactSegment;
   };
@@ -385,18 +393,17 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
   auto fetch_m = [&](int s) {
     float* dst = Ms + (s & 1) * kD * kPitch;
     for (int i = threadIdx.x; i < kD * kD / 4; i += Tr::kThreads) {
-      const int row = i / (kD / 4), q = i % (kD / 4);
-      cp_async_16(dst + row * kPitch + 4 * q, at(p.cp.trans, u.y + s, row) + 4 * q);
+      const int row = i / (kD / 4), c4 = i % (kD / 4);
+      cp_async_16(dst + row * kPitch + 4 * c4, at(p.cp.trans, u.y + s, row) + 4 * c4);
     }
   };
 
   // One step ahead: the next segment's N (or E) in registers, its M in shared memory, and the
   // exactness of the one after (it decides that M's copy).
-  float acc[kRows], next[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    acc[r] = at(p.cp.ends, u.y, r * kRowGroups + g)[col0 + c];
-    next[r] = u.z > 1 ? at(p.cp.ends, u.y + 1, r * kRowGroups + g)[col0 + c] : 0.f;
+  float2 lo = load2(u.y, r0), hi = load2(u.y, r0 + 8), next_lo = {}, next_hi = {};
+  if (u.z > 1) {
+    next_lo = load2(u.y + 1, r0);
+    next_hi = load2(u.y + 1, r0 + 8);
   }
   bool exact_this = exact(1), exact_next = exact(2);
   if (exact_this) fetch_m(1);
@@ -409,27 +416,32 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
     cp_async_commit();
     exact_this = exact_next;
     exact_next = exact(s + 2);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      St[c * kPitch + r * kRowGroups + g] = acc[r];
-      acc[r] = next[r];
-      if (s + 1 < u.z) next[r] = at(p.cp.ends, slot + 1, r * kRowGroups + g)[col0 + c];
+    St[cc * kPitch + r0] = lo.x;
+    St[(cc + 1) * kPitch + r0] = lo.y;
+    St[cc * kPitch + r0 + 8] = hi.x;
+    St[(cc + 1) * kPitch + r0 + 8] = hi.y;
+    lo = next_lo;
+    hi = next_hi;
+    if (s + 1 < u.z) {
+      next_lo = load2(slot + 1, r0);
+      next_hi = load2(slot + 1, r0 + 8);
     }
     if (!run) continue;
     cp_async_wait<1>();  // this thread's copies of M_s are done (those of M_{s+1} may fly)
     __syncthreads();     // ... and everyone's, and St is written
-    const float* M = Ms + (s & 1) * kD * kPitch;
-#pragma unroll 4
-    for (int k = 0; k < kD; k += 4) {
-      const float4 x = *reinterpret_cast<const float4*>(&St[c * kPitch + k]);
+    const float* M = Ms + (s & 1) * kD * kPitch + (16 * warp) * kPitch;
+    float d[4] = {lo.x, lo.y, hi.x, hi.y};  // N_s, then += M_s S_end(s - 1)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float4 m = *reinterpret_cast<const float4*>(&M[(r * kRowGroups + g) * kPitch + k]);
-        acc[r] = fmaf(m.x, x.x, fmaf(m.y, x.y, fmaf(m.z, x.z, fmaf(m.w, x.w, acc[r]))));
-      }
+    for (int k = 0; k < kD; k += 8) {
+      const float a[4] = {M[g * kPitch + k + q], M[(g + 8) * kPitch + k + q], M[g * kPitch + k + q + 4],
+                          M[(g + 8) * kPitch + k + q + 4]};
+      const float b[2] = {St[g * kPitch + k + q], St[g * kPitch + k + q + 4]};
+      mma_tf32<true>(d, a, b);
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) at(p.cp.ends, slot, r * kRowGroups + g)[col0 + c] = acc[r];
+    lo = make_float2(d[0], d[1]);
+    hi = make_float2(d[2], d[3]);
+    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0) + col0 + cc) = lo;
+    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0 + 8) + col0 + cc) = hi;
   }
   cp_async_wait<0>();
   if (!p.write_final) return;
@@ -440,10 +452,11 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
     row = cuda::load_index(p.state_idx, p.state_idx_dtype, u.x);
   }
   if (row < 0 || dst.data == nullptr) return;
+  const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int e = 0; e < 4; ++e)
     cuda::store_from_float(dst.data, dst.dtype,
-                           state_offset(dst, row, h, r * kRowGroups + g, col0 + c, p.v_first), acc[r]);
+                           state_offset(dst, row, h, r0 + 8 * (e >> 1), col0 + cc + (e & 1), p.v_first), v[e]);
 }
 
 }  // namespace
