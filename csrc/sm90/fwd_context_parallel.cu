@@ -14,6 +14,7 @@
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
+#include "sm90/fwd_scheduler.cuh"
 #include "sm90/mma_tf32.cuh"
 #include "sm90/ptx.cuh"
 
@@ -222,6 +223,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       for (int i = 0; i < kCpMaxCandidates; ++i) {
         const unsigned long long L = static_cast<unsigned long long>(min_chunks) << i;
         own.cand[i].items += c > L ? (c + L - 1) / L : 1;
+        own.cand[i].movable += c > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
     }
     // Per (boundary, head): the segments' certificates.
@@ -241,6 +243,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
         } else {
           cs.warm_chunks += static_cast<unsigned long long>(warm);
           cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
+          // A middle segment not followed by an exact one is movable (cp_movable).
+          if (rest > L && t.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
         }
       }
     }
@@ -254,6 +258,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       block_accumulate(&all.cand[i].exact_chunks, own.cand[i].exact_chunks, false);
       block_accumulate(&all.cand[i].warm_chunks, own.cand[i].warm_chunks, false);
       block_accumulate(&all.cand[i].warm_max, own.cand[i].warm_max, true);
+      block_accumulate(&all.cand[i].movable, own.cand[i].movable, false);
     }
     __syncthreads();
     if (threadIdx.x == 0)
@@ -338,9 +343,29 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const int32_t h = static_cast<int32_t>(e % hv);
     t.warm[e] = u.y == 0 ? 0 : t.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
   }
+  // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and from which item on. The
+  // threshold uses the items' average of movable CTAs: a few more or fewer only move time
+  // between the phases (which CTAs run where does not change any result).
+  __shared__ unsigned long long movable_exact[2];
+  if (threadIdx.x == 0) movable_exact[0] = movable_exact[1] = 0;
+  __syncthreads();  // also: pass 3's flags are visible
+  const int32_t n_items = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
+  unsigned long long movable = 0, exact = 0;
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_items) * hv; e += kPlanThreads)
+    movable += cp_movable(t.warm, hv, t.items[e / hv], static_cast<int32_t>(e % hv)) ? 1 : 0;
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_slots) * hv; e += kPlanThreads)
+    exact += t.slots[e / hv].y > 0 && t.warm[e] == kExactSegment ? 1 : 0;
+  block_accumulate(&movable_exact[0], movable, false);
+  block_accumulate(&movable_exact[1], exact, false);
+  __syncthreads();
   if (threadIdx.x == 0) {
+    const unsigned long long mv = movable_exact[0], ex = movable_exact[1];
+    const unsigned long long deferred =
+        cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, ex, sms);
+    const long long behind = deferred == 0 ? 0 : static_cast<long long>((deferred * n_items + mv - 1) / mv);
+    t.plan[kPlanDeferFrom] = static_cast<int32_t>(max(0LL, static_cast<long long>(n_items) - behind));
     t.plan[kPlanChunks] = static_cast<int32_t>(L);
-    t.plan[kPlanItems] = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
+    t.plan[kPlanItems] = n_items;
     t.plan[kPlanSlots] = n_slots;
     t.plan[kPlanSplits] = static_cast<int32_t>(min(static_cast<int64_t>(base[2]), max_splits));
   }
@@ -400,8 +425,11 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
 
   // One step ahead: the next segment's N (or E) in registers, its M in shared memory, and the
   // exactness of the one after (it decides that M's copy).
+  // Segment s's end state is read only where the chain needs it: a movable segment (phase 2
+  // may run it, fwd_scheduler.cuh) writes none.
+  auto needed = [&](int s) { return s + 1 >= u.z || exact(s) || exact(s + 1); };
   float2 lo = load2(u.y, r0), hi = load2(u.y, r0 + 8), next_lo = {}, next_hi = {};
-  if (u.z > 1) {
+  if (u.z > 1 && needed(1)) {
     next_lo = load2(u.y + 1, r0);
     next_hi = load2(u.y + 1, r0 + 8);
   }
@@ -422,7 +450,7 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
     St[(cc + 1) * kPitch + r0 + 8] = hi.y;
     lo = next_lo;
     hi = next_hi;
-    if (s + 1 < u.z) {
+    if (s + 1 < u.z && needed(s + 1)) {
       next_lo = load2(slot + 1, r0);
       next_hi = load2(slot + 1, r0 + 8);
     }
