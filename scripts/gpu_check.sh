@@ -6,6 +6,8 @@
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
+# FLA for the tests that route FLA's chunk_gated_delta_rule to flashgdn (the device has no package
+# registry): carry .whl/fla, made by scripts/fetch_fla_wheel.sh; without it those tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashgdn-gpu}
@@ -40,6 +42,18 @@ fi
 
 if has pytest; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  FLA_DIR=${FLASHGDN_FLA_DIR:-$PWD/.whl/fla}
+  if [ -f "$FLA_DIR/site/fla/__init__.py" ]; then
+    PYTHONPATH=$PYTHONPATH:$FLA_DIR/site
+    # FLA imports einops; the carried copy only where the interpreter has none.
+    $PY -c "import einops" 2>/dev/null || PYTHONPATH=$PYTHONPATH:$FLA_DIR/deps
+    fla_note="$($PY -c 'import fla; print("fla-core", fla.__version__, "from", fla.__file__)' 2>&1 | tail -1)"
+  else
+    fla_note="no $FLA_DIR (bash scripts/fetch_fla_wheel.sh, then carry .whl/fla): the FLA routing"
+    fla_note+=" tests skip unless FLA is installed"
+  fi
+  echo "FLA: $fla_note" | tee -a "$OUT/gpu.txt"
+  note "FLA for the routing tests" "$fla_note"
   if ls dist/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-deps --no-index --target /tmp/site dist/*.whl
   else

@@ -40,7 +40,8 @@ fi
   torch numpy pytest hypothesis "nanobind>=2.0" "scikit-build-core>=0.10" ninja cmake >&2
 # FLA's core package (1 MB pure Python, plus einops; no torch or triton of its own) for the tests
 # that run FLA's chunk_gated_delta_rule routed to flashgdn (tests/python/test_fla_backend.py).
-# It needs Python >= 3.10; elsewhere those tests skip with the reason.
+# It needs Python >= 3.10; elsewhere those tests skip with the reason. (The GPU machine, with no
+# registry, gets it from .whl/fla instead: scripts/fetch_fla_wheel.sh, scripts/gpu_check.sh.)
 if "$VENV/bin/python" -c "import sys; sys.exit(sys.version_info < (3, 10))"; then
   "$VENV/bin/python" -m pip install -q --upgrade-strategy only-if-needed "fla-core==0.6.0" >&2
 fi

@@ -163,12 +163,12 @@ def _state_shape(N: int, Hv: int, K: int, V: int, state_v_first: bool) -> Tuple[
     return (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
 
 
-def resolve_final_state_dtype(initial_state: Optional[torch.Tensor], state_indices: Optional[torch.Tensor] = None,
-                              dtype: Optional[torch.dtype] = None) -> torch.dtype:
+def resolve_final_state_dtype(dtype: Optional[torch.dtype] = None,
+                              state_indices: Optional[torch.Tensor] = None) -> torch.dtype:
     """The dtype of a final state the library allocates: ``dtype`` when given (float32, bfloat16
-    or float16), else the initial state's dtype when there is a per-sequence initial state, else
-    float32 (docs/api.md, "State dtypes"). With ``state_indices`` the final states go into the pool
-    in its own dtype, so ``dtype`` must be None."""
+    or float16), else float32 whatever the initial state's dtype, as FLA 0.6 returns it
+    (docs/api.md, "State dtypes"). With ``state_indices`` the final states go into the pool in
+    its own dtype, so ``dtype`` must be None."""
     if dtype is not None:
         if not isinstance(dtype, torch.dtype) or dtype not in STATE_DTYPES:
             raise ValueError("final_state_dtype: expected None, torch.float32, torch.bfloat16 or "
@@ -177,9 +177,6 @@ def resolve_final_state_dtype(initial_state: Optional[torch.Tensor], state_indic
             raise ValueError("final_state_dtype: must be None with state_indices (the final states "
                              "are written back into the pool, in the pool's dtype)")
         return dtype
-    if (isinstance(initial_state, torch.Tensor) and state_indices is None
-            and initial_state.dtype in STATE_DTYPES):
-        return initial_state.dtype
     return torch.float32
 
 
@@ -284,10 +281,10 @@ def chunk_gated_delta_rule_fwd(
     with their own strides (never through a copy: a layout the library cannot write is refused);
     the ones not given are allocated. ``final_state`` is None unless ``output_final_state`` and
     no ``state_indices`` (with ``state_indices`` the final states go back into the pool rows of
-    ``initial_state``); when allocated here its dtype is ``final_state_dtype``, by default the
-    initial state's dtype (float32 without one; ``resolve_final_state_dtype``), and a final state
-    passed in may have any state dtype (float32, bfloat16, float16), independently of the initial
-    state's. ``checkpoints`` (float32) is None unless ``checkpoint_every > 0``; when allocated
+    ``initial_state``); when allocated here its dtype is ``final_state_dtype``, by default
+    float32 whatever the initial state's dtype (FLA's; ``resolve_final_state_dtype``), and a final
+    state passed in may have any state dtype (float32, bfloat16, float16), independently of the
+    initial state's. ``checkpoints`` (float32) is None unless ``checkpoint_every > 0``; when allocated
     here it has ``checkpoint_rows(B, T, checkpoint_every)`` rows, the rows past the ones written
     (varlen; see ``checkpoint_offsets``) zero. ``check_inputs``: check mode (docs/api.md).
     ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA forward's arithmetic;
@@ -315,7 +312,7 @@ def chunk_gated_delta_rule_fwd(
     if o is None:
         o = torch.empty((B, T, Hv, V), dtype=q.dtype, device=q.device)
     want_final = output_final_state and state_indices is None
-    ht_dtype = resolve_final_state_dtype(initial_state, state_indices, final_state_dtype)
+    ht_dtype = resolve_final_state_dtype(final_state_dtype, state_indices)
     if want_final and final_state is None:
         final_state = torch.empty(_state_shape(N, Hv, K, V, state_v_first), dtype=ht_dtype,
                                   device=q.device)

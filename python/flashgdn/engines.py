@@ -5,7 +5,9 @@
   ``vllm/model_executor/layers/fla/ops/chunk.py``), which vLLM's Qwen3-Next / Qwen3.5 GDN layer
   (``vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``) calls with keywords.
 * ``sglang_chunk_gated_delta_rule``: the signature of SGLang's copy
-  (``python/sglang/kernels/ops/attention/fla/chunk.py``), which SGLang's Triton GDN kernel
+  (``python/sglang/kernels/ops/attention/fla/chunk.py``: ``q, k, v, g, beta, scale,
+  initial_state, initial_state_indices, cu_seqlens, head_first, use_qk_l2norm_in_kernel,
+  inplace_update``), which SGLang's Triton GDN kernel
   (``python/sglang/srt/layers/attention/linear/kernels/gdn_triton.py``) calls with keywords and
   whose three return values ``(o, _, h)`` it unpacks.
 
@@ -211,8 +213,7 @@ def vllm_chunk_gated_delta_rule(
     o_out, ht, _ = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         cu_seqlens, cu_seqlens_host=host, state_indices=state_indices, state_v_first=True, o=o,
-        check_inputs=check_inputs, precision=precision,
-        final_state_dtype=torch.float32 if state_indices is None else None, before_launch=hook)
+        check_inputs=check_inputs, precision=precision, before_launch=hook)
     return o_out, ht
 
 
@@ -262,11 +263,13 @@ def sglang_chunk_gated_delta_rule(
 ) -> Tuple[Tensor, None, Optional[Tensor]]:
     """SGLang's ``chunk_gated_delta_rule`` (its FLA copy), forward only, on flashgdn.
 
-    Positional order and meaning as SGLang's: ``initial_state`` is the state pool
-    ``[P, Hv, V, K]`` (V-major, float32, bfloat16 or float16) and ``initial_state_indices [N]``
-    (int32/int64) its row per sequence; with ``inplace_update`` (the default, as SGLang's) each
-    sequence's final state is written back into its row, in place, in the pool's dtype, and the
-    non-negative indices must be distinct; ``inplace_update=False`` only reads the pool. A
+    Positional order, defaults and meaning as SGLang's (its copy's twelve parameters, the last
+    ``inplace_update``; older copies end at ``use_qk_l2norm_in_kernel``): ``initial_state`` is
+    the state pool ``[P, Hv, V, K]`` (V-major, float32, bfloat16 or float16) and
+    ``initial_state_indices [N]`` (int32/int64) its row per sequence; with ``inplace_update``
+    (the default, as SGLang's) each sequence's final state is written back into its row, in
+    place, in the pool's dtype, and the non-negative indices must be distinct;
+    ``inplace_update=False`` (SGLang's multi-item scoring) only reads the pool. A
     negative index starts from zero and writes nothing (SGLang zeroes a fresh slot when it
     allocates it, so a fresh sequence passes its zeroed row). Without ``initial_state_indices``,
     ``initial_state`` holds one row per sequence (``[N, Hv, V, K]``, row ``n`` for sequence

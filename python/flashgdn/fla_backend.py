@@ -29,7 +29,8 @@ with FLA's meaning and declines the rest, with the reason FLA logs at INFO level
   device of compute capability 9.0 and K = V in {64, 128}.
 
 The backend returns what FLA returns: ``(o, final_state)``, ``o`` in q's dtype and the final
-state in float32 (``final_state_dtype=torch.float32``), and is differentiable like FLA's.
+state in float32 whatever the initial state's dtype (``flashgdn.chunk_gated_delta_rule``'s
+default is FLA's), and is differentiable like FLA's.
 
 Priority: ``PRIORITY`` = 4, after FlashQLA's 3 and before the default 5, because on the H100
 measurements of bench/results flashgdn's forward is still slower than FlashQLA's for the shapes
@@ -192,10 +193,11 @@ def _verify(*args, **kwargs) -> Tuple[bool, Optional[str]]:
 
 def run(*args, **kwargs):
     """Runs an accepted call of FLA's ``chunk_gated_delta_rule`` on flashgdn: ``(o, final_state)``
-    with FLA's dtypes (the final state float32)."""
+    with FLA's dtypes (o in q's dtype, the final state float32: flashgdn's call returns FLA's
+    dtypes by default)."""
     from .ops import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(**_bind(args, kwargs), final_state_dtype=torch.float32)
+    return chunk_gated_delta_rule(**_bind(args, kwargs))
 
 
 def _priority_from_env(default: int) -> int:

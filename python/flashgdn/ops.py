@@ -79,7 +79,7 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
         ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first),
-                         dtype=_core.resolve_final_state_dtype(initial_state, state_indices, final_state_dtype))
+                         dtype=_core.resolve_final_state_dtype(final_state_dtype, state_indices))
     else:
         ht = _empty(q)
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
@@ -293,10 +293,9 @@ def chunk_gated_delta_rule(
         initial_state: ``[N, Hv, K, V]`` float32, bfloat16 or float16 (``[N, Hv, V, K]`` with
             ``state_v_first``); with ``state_indices`` a pool ``[P, Hv, K, V]``, read and written
             in its own dtype. Converted to float32 on load (exact); its gradient has its dtype.
-        output_final_state: return the final state ``[N, Hv, K, V]``, in ``final_state_dtype``:
-            by default the initial state's dtype, float32 without an initial state (FLA 0.6
-            always returns float32: pass ``final_state_dtype=torch.float32`` for that). Rounded
-            to nearest even from the float32 state.
+        output_final_state: return the final state ``[N, Hv, K, V]``: float32 whatever the
+            initial state's dtype, as FLA 0.6 returns it, or the dtype ``final_state_dtype``
+            names (rounded to nearest even from the float32 state).
         use_qk_l2norm_in_kernel: L2-normalise q and k per token inside the kernel.
         use_beta_sigmoid_in_kernel, allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2 with
             ``allow_neg_eigval``, which requires ``use_beta_sigmoid_in_kernel``), applied as a
@@ -334,9 +333,10 @@ def chunk_gated_delta_rule(
             ``offset_n = sum_{m < n} floor(len_m / checkpoint_every)``
             (``flashgdn.checkpoint_offsets``); rows past the last one written are zero.
             Checkpoints are not differentiable.
-        final_state_dtype: None (the rule above), torch.float32, torch.bfloat16 or torch.float16:
-            the dtype of the returned final state. Must be None with ``state_indices`` (the pool
-            keeps its dtype).
+        final_state_dtype: None (float32, FLA's), torch.float32, torch.bfloat16 or
+            torch.float16: the dtype of the returned final state, e.g. bfloat16 to keep a state
+            that is stored in bfloat16 without a cast. Must be None with ``state_indices`` (the
+            pool keeps its dtype).
         precision: the CUDA forward's arithmetic: ``"default"`` (the fastest scheme whose error
             stays at or below the peers'), ``"fast"`` (every tensor-core operand one 16-bit
             value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
@@ -356,8 +356,9 @@ def chunk_gated_delta_rule(
     Any other keyword raises TypeError naming it (FLA 0.6 ignores unknown keywords silently).
 
     Returns:
-        ``(o, final_state)`` as FLA: ``o`` ``[B, T, Hv, V]`` in q's dtype, ``final_state`` or
-        None; ``(o, final_state, checkpoints)`` when ``checkpoint_every > 0``.
+        ``(o, final_state)`` as FLA, with FLA's dtypes: ``o`` ``[B, T, Hv, V]`` in q's dtype,
+        ``final_state`` float32 (unless ``final_state_dtype``) or None; ``(o, final_state,
+        checkpoints)`` when ``checkpoint_every > 0``.
 
     CPU tensors run on the CPU backend, CUDA tensors on the CUDA backend of their device and its
     current stream. Rejected arguments raise ValueError naming the argument.
@@ -410,7 +411,7 @@ def chunk_gated_delta_rule(
     _core._precision(precision)
     _core._context_parallel(context_parallel)
     cp_segment = _core._index("cp_segment", cp_segment, lo=0)
-    _core.resolve_final_state_dtype(initial_state, state_indices, final_state_dtype)  # validates it
+    _core.resolve_final_state_dtype(final_state_dtype, state_indices)  # validates it
     scale = _core._scale(scale)  # None: 1/sqrt(K), from the library (which refuses K = 0)
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1:

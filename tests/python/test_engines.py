@@ -2,6 +2,7 @@
 FLA copies: keywords, V-major state pools (bf16 as vLLM's default), pool indices with padding,
 output buffers, return tuples. Every value against the float64 oracle; the pool rows a call must
 not touch compared bitwise."""
+import inspect
 import math
 
 import pytest
@@ -182,31 +183,71 @@ def _expected_h(c, pool, idx, ref):
     return np.stack(rows)[None]
 
 
+# SGLang's chunk_gated_delta_rule (python/sglang/kernels/ops/attention/fla/chunk.py, the version
+# whose caller passes inplace_update): its parameters in order, with their defaults, all
+# positional-or-keyword, no **kwargs. Earlier copies end at use_qk_l2norm_in_kernel.
+SGLANG_PARAMS = [("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),
+                 ("initial_state", None), ("initial_state_indices", None), ("cu_seqlens", None),
+                 ("head_first", False), ("use_qk_l2norm_in_kernel", False), ("inplace_update", True)]
+
+
+def test_sglang_signature():
+    """SGLang's positional order and defaults; flashgdn's own arguments keyword-only after them."""
+    params = list(inspect.signature(sglang_chunk_gated_delta_rule).parameters.values())
+    head = params[:len(SGLANG_PARAMS)]
+    assert [p.name for p in head] == [n for n, _ in SGLANG_PARAMS]
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in head)
+    for p, (name, default) in zip(head[5:], SGLANG_PARAMS[5:]):
+        assert p.default is default, (name, p.default)
+    assert all(p.default is inspect.Parameter.empty for p in head[:5])
+    rest = params[len(SGLANG_PARAMS):]
+    assert rest and all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in rest), [p.name for p in rest]
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
-def test_sglang_extend_as_written(pool_dtype):
-    """gdn_triton.py's extend(): keywords as SGLang writes them, the pool and its indices, three
-    return values (o, _, h); the final states written into the pool rows in place."""
+@pytest.mark.parametrize("inplace_update", [True, False], ids=["inplace", "multi_item_scoring"])
+def test_sglang_extend_as_written(pool_dtype, inplace_update):
+    """gdn_triton.py's TritonGDNKernel.extend() on a GPU build, line for line: its keywords, the
+    indices and inplace_update passed through dicts it splats, no scale, three return values
+    (o, _, h). With inplace_update (the default) the final states go into the pool rows in place;
+    inplace_update=False (its multi-item scoring) leaves the pool as it was."""
     c = _inputs(lengths=[130, 1, 0, 64, 200])
     P, Hv, V, K = 9, 4, 64, 32
     ssm_states = _pool(P, Hv, V, K, pool_dtype)
     cache_indices = torch.tensor([6, 2, 8, 0, 4], dtype=torch.int32)
-    pool0 = ssm_states.clone()
     query_start_loc = c.cu_seqlens
-    recurrent_state = ssm_states
-    recurrent_state_indices_args = {"initial_state_indices": cache_indices}
+    q, k, v, g, beta = c.inputs()
+    pool0 = ssm_states.clone()
+    chunk_gated_delta_rule = sglang_chunk_gated_delta_rule  # the one line a user changes
     with torch.inference_mode():
-        o, _, h = sglang_chunk_gated_delta_rule(
-            q=c.q, k=c.k, v=c.v, g=c.g, beta=c.beta, initial_state=recurrent_state, cu_seqlens=query_start_loc,
-            head_first=False, use_qk_l2norm_in_kernel=True, **recurrent_state_indices_args)
+        recurrent_state = ssm_states
+        recurrent_state_indices_args = {"initial_state_indices": cache_indices}
+        inplace_update_args = {"inplace_update": inplace_update}
+        o, _, h = chunk_gated_delta_rule(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            initial_state=recurrent_state,
+            cu_seqlens=query_start_loc,
+            head_first=False,
+            use_qk_l2norm_in_kernel=True,
+            **recurrent_state_indices_args,
+            **inplace_update_args,
+        )
     assert _ is None
     ref = _oracle(c, pool0, cache_indices, checkpoint_every=CHUNK, l2norm=True)
     check("o", o, ref["o"], c, 6e-3)
-    bound = 6e-3 if pool_dtype == torch.float32 else 8e-3
-    for n, r in enumerate(cache_indices.tolist()):
-        check("final_state", ssm_states[r:r + 1], ref["final_state"][n:n + 1], c, bound, sliced=False,
-              context=f"slot {r}")
-    untouched = [r for r in range(P) if r not in cache_indices.tolist()]
-    assert torch.equal(ssm_states[untouched], pool0[untouched])
+    if inplace_update:
+        bound = 6e-3 if pool_dtype == torch.float32 else 8e-3
+        for n, r in enumerate(cache_indices.tolist()):
+            check("final_state", ssm_states[r:r + 1], ref["final_state"][n:n + 1], c, bound, sliced=False,
+                  context=f"slot {r}")
+        untouched = [r for r in range(P) if r not in cache_indices.tolist()]
+        assert torch.equal(ssm_states[untouched], pool0[untouched])
+    else:
+        assert torch.equal(ssm_states, pool0)
     nt = sum(math.ceil(L / CHUNK) for L in c.lengths)
     assert h.shape == (1, nt, Hv, V, K) and h.dtype == c.q.dtype
     exp_h = _expected_h(c, pool0, cache_indices, ref)
@@ -338,7 +379,8 @@ def test_engines_cuda_pools():
     with torch.inference_mode():
         o, _, h = sglang_chunk_gated_delta_rule(q=c.q, k=c.k, v=c.v, g=c.g, beta=c.beta, initial_state=pool,
                                                 cu_seqlens=c.cu_seqlens, head_first=False,
-                                                use_qk_l2norm_in_kernel=True, initial_state_indices=sidx)
+                                                use_qk_l2norm_in_kernel=True, initial_state_indices=sidx,
+                                                inplace_update=True)
     ref = _oracle(c, pool0.cpu(), sidx.cpu(), checkpoint_every=CHUNK, l2norm=True)
     check("o", o, ref["o"], c, 6e-3, context="sglang cuda")
     check("h", h, _expected_h(c, pool0.cpu(), sidx.cpu(), ref), c, 8e-3, sliced=False)

@@ -169,15 +169,16 @@ def test_verifier_on_cuda_inputs_needs_the_cuda_backend():
 
 def test_run_returns_flas_types():
     """run() binds FLA's positional order and returns FLA's types: a float32 final state even
-    from a bf16 initial state, o in q's dtype; results equal flashgdn's own call."""
+    from a bf16 initial state, o in q's dtype; results equal flashgdn's own call, whose default
+    dtypes are FLA's."""
     c = _case()
     h0 = c.initial_state.to(torch.bfloat16)
     q, k, v, g, beta = c.inputs()
     o, ht = fla_backend.run(q, k, v, g, beta, None, h0, True, False, False, False, False, c.cu_seqlens)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
     o2, ht2 = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                     cu_seqlens=c.cu_seqlens, final_state_dtype=torch.float32)
-    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+                                     cu_seqlens=c.cu_seqlens)
+    assert ht2.dtype == torch.float32 and torch.equal(o, o2) and torch.equal(ht, ht2)
     o3, ht3 = fla_backend.run(q, k, v, g, beta, cu_seqlens=c.cu_seqlens)
     assert ht3 is None and o3.shape == v.shape
 
@@ -398,7 +399,9 @@ def _fla():
         import fla.backends as backends
     except Exception as e:  # not installed, or broken
         pytest.skip(f"fla-core is not importable here ({type(e).__name__}: {e}); "
-                    "scripts/setup.sh installs fla-core==0.6.0 on Python >= 3.10")
+                    "scripts/setup.sh installs fla-core==0.6.0 on Python >= 3.10; on a machine "
+                    "without a package registry, bash scripts/fetch_fla_wheel.sh elsewhere and carry "
+                    ".whl/fla (scripts/gpu_check.sh puts it on PYTHONPATH)")
     if fla_backend._version_tuple(fla.__version__) < fla_backend.MIN_FLA_VERSION:
         pytest.skip(f"fla-core {fla.__version__} < 0.6 has no backend registry")
     return fla_chunk, backends
@@ -458,8 +461,7 @@ def test_fla_call_routed_to_flashgdn_forward_backward(routed):
     # flashgdn's own call, same bits
     leaves2 = [x.detach().clone().requires_grad_() for x in leaves]
     o2, ht2 = chunk_gated_delta_rule(*leaves2[:5], initial_state=leaves2[5], output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True, cu_seqlens=c.cu_seqlens,
-                                     final_state_dtype=torch.float32)
+                                     use_qk_l2norm_in_kernel=True, cu_seqlens=c.cu_seqlens)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
     grads2 = torch.autograd.grad((o2, ht2), leaves2, (do, dht))
     for a, b in zip(grads, grads2):
@@ -520,3 +522,37 @@ def test_fla_call_routed_cuda(routed, monkeypatch):
     rb = oracle_backward(c, do, None)
     for name, gr in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
         check(name, gr, rb[name], c, {"dg": 1.2e-2}.get(name, 8e-3), context="fla->flashgdn cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h0_dtype", [None, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["no_h0", "fp32_h0", "bf16_h0", "fp16_h0"])
+def test_fla_own_kernels_return_flashgdns_default_dtypes(h0_dtype, monkeypatch):
+    """FLA's own Triton kernels (flashgdn's backend and FlashQLA off) and flashgdn's call return
+    the same dtypes for every initial state dtype FLA takes (o in q's dtype, the final state
+    float32), and the same values within the peers' bound."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: FLA's own Triton kernels cannot run here")
+    if not flashgdn.has_cuda() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs flashgdn's CUDA backend and a Hopper GPU (compute capability 9.0)")
+    fla_chunk, _ = _fla()
+    monkeypatch.setenv(fla_backend.ENV_VAR, "0")
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    c = make_case(lengths=[200, 1, 129], Hq=2, Hv=4, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=4,
+                  initial_state=h0_dtype is not None, cu_dtype=torch.int64)  # int64 offsets, as FLA's tests
+    h0 = None if h0_dtype is None else c.initial_state.to(h0_dtype)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=c.cu_seqlens)
+    with torch.no_grad():
+        o_fla, ht_fla = fla_chunk(*c.inputs(), **kw)
+        o, ht = chunk_gated_delta_rule(*c.inputs(), **kw)
+    assert (o.dtype, ht.dtype) == (o_fla.dtype, ht_fla.dtype) == (c.q.dtype, torch.float32)
+    assert ht.shape == ht_fla.shape
+    if h0 is not None:
+        c.initial_state = h0.float()  # the oracle starts from the values FLA and flashgdn read
+    ref = oracle_forward(c)
+    # flashgdn within the issue's bound; FLA within a looser one (its measured error, ~5e-3 for o
+    # in bench/results, is near the bound; this test is about its dtypes)
+    for name, got, bound in (("fla", o_fla, 1e-2), ("flashgdn", o, 6e-3)):
+        check("o", got, ref["o"], c, bound, context=name)
+    for name, got, bound in (("fla", ht_fla, 1e-2), ("flashgdn", ht, 6e-3)):
+        check("final_state", got, ref["final_state"], c, bound, context=name)

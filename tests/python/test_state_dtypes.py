@@ -65,11 +65,11 @@ def check_state(name, x, ref, c, device, context=""):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", STATE_DTYPES, ids=lambda d: IDS[d])
 def test_lowlevel_states_vs_oracle(device, dtype):
-    """Initial state, final state (allocated: the initial state's dtype), d_final_state and dh0
+    """Initial state, final state (allocated in final_state_dtype), d_final_state and dh0
     (allocated: the initial state's dtype) all in `dtype`."""
     c = _case(device, dtype, l2norm=True, gate_in_kernel=True)
     kw = c.lowlevel_kwargs()
-    o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw)
+    o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, final_state_dtype=dtype, **kw)
     _sync(device)
     assert ht.dtype == dtype
     ref = oracle_forward(c)
@@ -90,15 +90,16 @@ def test_lowlevel_states_vs_oracle(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", STATE_DTYPES, ids=lambda d: IDS[d])
 def test_autograd_16bit_initial_state(device, dtype):
-    """chunk_gated_delta_rule with a 16-bit initial state: the final state in its dtype, the
-    gradient of the initial state in its dtype, both against the oracle."""
+    """chunk_gated_delta_rule with a 16-bit initial state and final_state_dtype of its dtype:
+    the final state and the gradient of the initial state in that dtype, both against the
+    oracle."""
     c = _case(device, dtype, seed=12)
     h0 = c.initial_state.detach().clone().requires_grad_()
     q = c.q.detach().clone().requires_grad_()
     kw = c.kwargs()
     kw["initial_state"] = h0
     o, ht = chunk_gated_delta_rule(q, *c.inputs()[1:], output_final_state=True, cu_seqlens_cpu=c.cu_seqlens_host,
-                                   **kw)
+                                   final_state_dtype=dtype, **kw)
     assert ht.dtype == dtype
     gen = torch.Generator().manual_seed(6)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
@@ -118,8 +119,11 @@ def test_autograd_16bit_initial_state(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_final_state_dtype_rule(device):
-    """float32 without an initial state, else the initial state's dtype; final_state_dtype
-    overrides it. Any other dtype of the final state is the float32 one rounded once."""
+    """FLA 0.6's rule (fla-core 0.6.0 allocates its final state in float32 whatever the initial
+    state's dtype, fla/ops/common/chunk_delta_h.py): float32 without an initial state and from a
+    float32, bfloat16 or float16 one, through the FLA call and the low-level forward alike.
+    final_state_dtype overrides it; any other dtype of the final state is the float32 one rounded
+    once, and a 16-bit initial state is read exactly."""
     c = _case(device, torch.float32, seed=13)
     q, k, v, g, beta = c.inputs()
     kw = dict(cu_seqlens=c.cu_seqlens, cu_seqlens_cpu=c.cu_seqlens_host)
@@ -135,16 +139,23 @@ def test_final_state_dtype_rule(device):
         assert torch.equal(ht16, ht32.to(dt)), f"{dt}: not the float32 final state rounded once"
         h0_16 = h0.to(dt)
         _, a = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0_16, output_final_state=True, **kw)
-        _, b = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0_16, output_final_state=True,
-                                      final_state_dtype=torch.float32, **kw)
-        _, b2 = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0_16.float(), output_final_state=True, **kw)
-        assert a.dtype == dt and b.dtype == torch.float32
-        assert torch.equal(b, b2), f"{dt}: a 16-bit initial state is not read exactly"
-        assert torch.equal(a, b.to(dt))
+        _, a16 = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0_16, output_final_state=True,
+                                        final_state_dtype=dt, **kw)
+        _, b = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0_16.float(), output_final_state=True, **kw)
+        assert a.dtype == torch.float32, f"{dt} initial state: FLA returns a float32 final state, got {a.dtype}"
+        assert a16.dtype == dt
+        assert torch.equal(a, b), f"{dt}: a 16-bit initial state is not read exactly"
+        assert torch.equal(a16, a.to(dt))
+        _, lo, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0_16, output_final_state=True,
+                                              cu_seqlens=c.cu_seqlens, cu_seqlens_host=c.cu_seqlens_host)
+        assert lo.dtype == torch.float32 and torch.equal(lo, a)
     for bad in (torch.float64, torch.int32, "bfloat16"):
         with pytest.raises(ValueError, match="final_state_dtype"):
             chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                    final_state_dtype=bad, **kw)
+        with pytest.raises(ValueError, match="final_state_dtype"):
+            chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=c.cu_seqlens, final_state_dtype=bad)
 
 
 # ---- pools --------------------------------------------------------------------------------------
@@ -242,8 +253,8 @@ def test_other_state_dtypes_refused_and_nothing_written(device):
 
 
 def test_opcheck_16bit_states():
-    """The fake (meta) implementations give the real dtypes: the final state and dh0 follow a
-    bf16 initial state; final_state_dtype is honoured."""
+    """The fake (meta) implementations give the real dtypes: a float32 final state (FLA's) and
+    a dh0 in the bf16 initial state's dtype; final_state_dtype is honoured."""
     c = make_case(lengths=[70, 10], Hq=1, Hv=2, K=32, V=32, dtype=torch.float32, seed=16)
     h0 = c.initial_state.to(torch.bfloat16).requires_grad_()
     q = c.q.clone().requires_grad_()
@@ -252,7 +263,7 @@ def test_opcheck_16bit_states():
                 False, False, True, 64, False, "default", fsd)
         torch.library.opcheck(torch.ops.flashgdn.chunk_gated_delta_rule_fwd.default, args)
         _, ht, _ = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(*args)
-        assert ht.dtype == (fsd or torch.bfloat16)
+        assert ht.dtype == (fsd or torch.float32)
     bwd_args = (c.q, c.k, c.v, c.g, c.beta, None, None, c.cu_seqlens, c.cu_seqlens_host, h0.detach(), None, None,
                 False, False, False, torch.randn(c.v.shape), torch.randn(h0.shape).to(torch.bfloat16), True, False)
     torch.library.opcheck(torch.ops.flashgdn.chunk_gated_delta_rule_bwd.default, bwd_args)
@@ -267,20 +278,24 @@ def test_opcheck_16bit_states():
         dh0 = torch.ops.flashgdn.chunk_gated_delta_rule_bwd(
             *f[:5], None, None, f[5], None, f[6], None, None, False, False, False, mode.from_tensor(c.v), ht,
             True, False)[7]
-    assert ht.dtype == torch.float16 and dh0.dtype == torch.float16
+    assert ht.dtype == torch.float32 and dh0.dtype == torch.float16
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_16bit_initial_state(device):
+@pytest.mark.parametrize("fsd", [None, torch.bfloat16], ids=["fsd_default", "fsd_bf16"])
+def test_torch_compile_16bit_initial_state(device, fsd):
     """fullgraph compile with a bf16 initial state: the same loss and gradients (dh0 in bf16) as
-    eager, bitwise."""
+    eager, bitwise; the final state float32 by default (FLA's), bf16 when final_state_dtype says
+    so, compiled as in eager (the loss counts the expected dtype)."""
     c = _case(device, torch.bfloat16, seed=17)
     leaves = [x.detach().clone().requires_grad_() for x in (c.q, c.v, c.initial_state)]
+    want = fsd or torch.float32
 
     def f(q, v, h0):
         o, ht = chunk_gated_delta_rule(q, c.k, v, c.g, c.beta, initial_state=h0, output_final_state=True,
-                                       cu_seqlens=c.cu_seqlens, cu_seqlens_cpu=c.cu_seqlens_host)
-        return o.float().square().sum() + ht.float().square().sum() + (ht.dtype == torch.bfloat16)
+                                       cu_seqlens=c.cu_seqlens, cu_seqlens_cpu=c.cu_seqlens_host,
+                                       final_state_dtype=fsd)
+        return o.float().square().sum() + ht.float().square().sum() + 1000 * (ht.dtype == want)
 
     torch._dynamo.reset()
     ref = loss_and_grads(f, leaves)
@@ -288,4 +303,4 @@ def test_torch_compile_16bit_initial_state(device):
     assert got[3].dtype == torch.bfloat16
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
-    assert math.isfinite(float(ref[0]))
+    assert math.isfinite(float(ref[0])) and float(ref[0]) >= 1000, "the final state's dtype is not the expected one"
