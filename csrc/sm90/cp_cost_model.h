@@ -9,8 +9,10 @@
 // kCpFillSteps for its pipeline fill (its first chunk's chunk-local work runs before the state
 // role can start).
 //   ctas1   = Hv items + exact                        (items: unsplit sequences and segments)
-//   phase 1 = waves(Hv sum c + m + warm + F ctas1,  min(max c, L) + max W + F)
-//   phase 2 = waves(m + F exact, L + F)                (m: chunks of the exact segments)
+//   len1    = min(max c, L) + max W + F
+//   D       = len1 x the movable CTAs that phase 2 takes (cp_deferred)
+//   phase 1 = waves(Hv sum c + m + warm + F ctas1 - D, len1)
+//   phase 2 = waves(m + F exact + D, max(L + F, len1 if D > 0))   (m: chunks of exact segments)
 //   scan    = kCpScanSteps (ceil(max c / L) - 1)
 //   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
 // plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
@@ -35,10 +37,24 @@ constexpr double kCpMinGain = 0.9;
 constexpr int32_t kCpNoSplit = INT32_MAX / 128;
 constexpr int kCpMaxCandidates = 6;
 
-// The plan's statistics of one candidate L, summed over its segments and heads.
+// The plan's statistics of one candidate L, summed over its segments and heads. `movable`:
+// CTAs whose results neither the scan nor a later pass reads (unsplit sequences; middle
+// warm-up segments not followed by an exact one), which may run in phase 2 beside the exact
+// segments' second pass instead of in phase 1.
 struct CpCandidateStats {
-  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max;
+  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max, movable;
 };
+
+// Movable CTAs that phase 2 takes: phase 1 keeps the others and fills its last wave with
+// movable ones; the rest run beside the exact segments' second pass. Nothing moves when there
+// is no second pass (a launch boundary would only add a partial wave).
+FGDN_HOST_DEVICE inline unsigned long long cp_deferred(unsigned long long ctas1, unsigned long long movable,
+                                                       unsigned long long exact, int sms) {
+  if (exact == 0 || movable == 0) return 0;
+  const unsigned long long forced = ctas1 - movable, s = static_cast<unsigned long long>(sms);
+  const unsigned long long fill = (forced + s - 1) / s * s - forced;
+  return movable > fill ? movable - fill : 0;
+}
 
 FGDN_HOST_DEVICE inline double cp_waves(double work, double len, int sms) {
   return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
@@ -52,9 +68,13 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
                                         double hv, int sms) {
   const double exact = static_cast<double>(s.exact), m = static_cast<double>(s.exact_chunks);
   const double ctas1 = hv * static_cast<double>(s.items) + exact;
-  const double p1 = cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1,
-                             (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kCpFillSteps, sms);
-  const double p2 = exact > 0 ? cp_waves(m + kCpFillSteps * exact, L + kCpFillSteps, sms) : 0.0;
+  const double len1 = (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kCpFillSteps;
+  const double deferred =
+      static_cast<double>(cp_deferred(static_cast<unsigned long long>(ctas1), s.movable, s.exact, sms)) * len1;
+  const double p1 =
+      cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred, len1, sms);
+  const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
+  const double p2 = exact > 0 ? cp_waves(m + kCpFillSteps * exact + deferred, len2, sms) : 0.0;
   const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }

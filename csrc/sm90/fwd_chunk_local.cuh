@@ -156,14 +156,13 @@ __device__ __forceinline__ void token_factors(const FwdParams& p, const Stage& i
 
 template <class Tr>
 __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>& sm,
-                                                const WorkItem& w, int tid) {
+                                                const WorkItem& w, int tid_in) {
   using Tin = typename Tr::Tin;
   constexpr uint32_t kBar = static_cast<uint32_t>(FwdBarrier::kChunkLocal);
-  const int warp = tid >> 5, lane = tid & 31;
 
   // P's 4-column groups right of the diagonal are never written: zero once in every stage.
   for (int s = 0; s < Tr::kLocalStages; ++s)
-    for (int i = tid; i < Tr::kLocalParts * 64 * 64 / 8; i += 128)
+    for (int i = tid_in; i < Tr::kLocalParts * 64 * 64 / 8; i += 128)
       reinterpret_cast<uint4*>(&sm.local[s].p[0][0][0])[i] = make_uint4(0, 0, 0, 0);
 
   for (int32_t j = 0; j < w.nchunks; ++j) {
@@ -172,6 +171,11 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     auto& in = sm.in[pin.stage];
     auto& loc = sm.local[ploc.stage];
     const int len = w.chunk_len(j);
+    // The thread index anew each chunk (opaque to the compiler): addresses derived from it are
+    // recomputed in the loop instead of held across it, which at 80 registers spilled them.
+    int tid = tid_in;
+    asm volatile("" : "+r"(tid));
+    const int warp = tid >> 5, lane = tid & 31;
     sm.in_ready[pin.stage].wait(pin.phase);
 
     // ---- K K^T and Q K^T on the tensor cores, raw, to af and tf --------------------------------

@@ -14,6 +14,8 @@
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
+#include "sm90/fwd_scheduler.cuh"
+#include "sm90/mma_tf32.cuh"
 #include "sm90/ptx.cuh"
 
 namespace flashgdn::sm90 {
@@ -189,9 +191,10 @@ __device__ inline void block_accumulate(unsigned long long* to, unsigned long lo
 // ---- plan ------------------------------------------------------------------------------------
 // One CTA. Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs, from
 // the sequence lengths and the certificates of the boundaries it starts segments on (k a
-// multiple of 2^i); then the cheapest L, if it beats no split by 10%. Pass 2: the items (one per
-// unsplit sequence or segment) and slots (segments of split sequences), in sequence order, by
-// block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's certificate.
+// multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
+// sequence or segment), longest first, and the slots (segments of split sequences), in sequence
+// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's
+// certificate.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t min_chunks, int32_t candidates,
                                                                 int64_t max_items, int64_t max_slots,
@@ -220,6 +223,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       for (int i = 0; i < kCpMaxCandidates; ++i) {
         const unsigned long long L = static_cast<unsigned long long>(min_chunks) << i;
         own.cand[i].items += c > L ? (c + L - 1) / L : 1;
+        own.cand[i].movable += c > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
     }
     // Per (boundary, head): the segments' certificates.
@@ -239,6 +243,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
         } else {
           cs.warm_chunks += static_cast<unsigned long long>(warm);
           cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
+          // A middle segment not followed by an exact one is movable (cp_movable).
+          if (rest > L && t.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
         }
       }
     }
@@ -252,6 +258,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       block_accumulate(&all.cand[i].exact_chunks, own.cand[i].exact_chunks, false);
       block_accumulate(&all.cand[i].warm_chunks, own.cand[i].warm_chunks, false);
       block_accumulate(&all.cand[i].warm_max, own.cand[i].warm_max, true);
+      block_accumulate(&all.cand[i].movable, own.cand[i].movable, false);
     }
     __syncthreads();
     if (threadIdx.x == 0)
@@ -262,28 +269,56 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();
   const int64_t L = chosen;
 
+  // Items go out longest first (phase 1's CTAs start in grid order, so a long chain placed last
+  // would run alone at the end): buckets of floor(log2(chunks)), longest bucket first. Within a
+  // bucket the order is the atomics' and does not matter: an item's results do not depend on
+  // the CTA that runs it.
+  __shared__ int bucket_next[32];
+  auto nseg_of = [&](int64_t c) { return c > L ? static_cast<int>(ceil_div(c, L)) : 1; };
+  auto bucket_of = [&](int64_t c, int s) {  // segment s of a sequence of c chunks
+    const int64_t len = c > L ? min(L, c - s * L) : c;
+    return len > 0 ? 63 - __clzll(static_cast<unsigned long long>(len)) : 0;
+  };
+  if (threadIdx.x < 32) bucket_next[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
+    const int64_t c = seq_chunks(seq, n);
+    for (int s = 0, nseg = nseg_of(c); s < nseg; ++s) atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int start = 0;
+    for (int b = 31; b >= 0; --b) {
+      const int count = bucket_next[b];
+      bucket_next[b] = start;
+      start += count;
+    }
+  }
+  __syncthreads();
+
   for (int64_t n0 = 0; n0 < N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < N ? seq_chunks(seq, n) : 0;
     const bool split = c > L;
-    const int nseg = n < N ? (split ? static_cast<int>(ceil_div(c, L)) : 1) : 0;
+    const int nseg = n < N ? nseg_of(c) : 0;
     int item0, slot0, split0, bound0, items, slots, splits, bounds;
-    Scan(tmp.scan).ExclusiveSum(nseg, item0, items);
+    Scan(tmp.scan).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? nseg : 0, slot0, slots);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(split ? 1 : 0, split0, splits);
     __syncthreads();
     Scan(tmp.scan).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
-    item0 += base[0];
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
     if (n < N) {
       // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
       // writing past the tables.
-      for (int s = 0; s < nseg && item0 + s < max_items; ++s)
-        t.items[item0 + s] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
+      for (int s = 0; s < nseg; ++s) {
+        const int at = atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+        if (at < max_items) t.items[at] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
+      }
       if (split) {
         for (int s = 0; s < nseg && slot0 + s < max_slots; ++s)
           t.slots[slot0 + s] = make_int4(static_cast<int>(n), s, nseg, bound0);
@@ -308,47 +343,74 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const int32_t h = static_cast<int32_t>(e % hv);
     t.warm[e] = u.y == 0 ? 0 : t.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
   }
+  // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and from which item on. The
+  // threshold uses the items' average of movable CTAs: a few more or fewer only move time
+  // between the phases (which CTAs run where does not change any result).
+  __shared__ unsigned long long movable_exact[2];
+  if (threadIdx.x == 0) movable_exact[0] = movable_exact[1] = 0;
+  __syncthreads();  // also: pass 3's flags are visible
+  const int32_t n_items = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
+  unsigned long long movable = 0, exact = 0;
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_items) * hv; e += kPlanThreads)
+    movable += cp_movable(t.warm, hv, t.items[e / hv], static_cast<int32_t>(e % hv)) ? 1 : 0;
+  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_slots) * hv; e += kPlanThreads)
+    exact += t.slots[e / hv].y > 0 && t.warm[e] == kExactSegment ? 1 : 0;
+  block_accumulate(&movable_exact[0], movable, false);
+  block_accumulate(&movable_exact[1], exact, false);
+  __syncthreads();
   if (threadIdx.x == 0) {
+    const unsigned long long mv = movable_exact[0], ex = movable_exact[1];
+    const unsigned long long deferred =
+        cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, ex, sms);
+    const long long behind = deferred == 0 ? 0 : static_cast<long long>((deferred * n_items + mv - 1) / mv);
+    t.plan[kPlanDeferFrom] = static_cast<int32_t>(max(0LL, static_cast<long long>(n_items) - behind));
     t.plan[kPlanChunks] = static_cast<int32_t>(L);
-    t.plan[kPlanItems] = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
+    t.plan[kPlanItems] = n_items;
     t.plan[kPlanSlots] = n_slots;
     t.plan[kPlanSplits] = static_cast<int32_t>(min(static_cast<int64_t>(base[2]), max_splits));
   }
 }
 
 // ---- scan ------------------------------------------------------------------------------------
-// A CTA per (split sequence, value head, 8 state columns), 256 threads: thread (rows g, g + 32,
-// .. with g = tid / 8, column tid % 8). Along the sequence's segments s = 1, 2, ..:
+// A CTA per (split sequence, value head, 8 state columns), a warp per 16 state rows. Along the
+// sequence's segments s = 1, 2, ..:
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
-// one is the sequence's final state (ht or the pool row, in its dtype and layout). The chain is
-// latency-bound, so the next exact segment's M (64 KB at D = 128) is copied into shared memory
-// (cp.async, two buffers) while this one's product runs. Rows are padded by 4 floats: a warp
-// reads 4 consecutive rows at one k (float4 each) and 8 columns of S^T, both conflict-free.
+// one is the sequence's final state (ht or the pool row, in its dtype and layout). The product
+// is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA chain it
+// replaces: 128-term sums in fp32 carry ~2^-20 anyway): the FMA version was bound by its
+// shared-memory reads (~4.4 us a step at 2/8). The chain is latency-bound, so the next exact
+// segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
+// this one's product runs. Rows of M and S^T are padded to kD + 4 floats (= 4 mod 32), so the
+// mma fragments' reads touch 32 distinct banks.
 template <int kD>
 struct ScanTraits {
-  static constexpr int kThreads = 256, kCols = 8, kBlocksPerHead = kD / kCols;
-  static constexpr int kRowGroups = kThreads / kCols, kRows = kD / kRowGroups, kPitch = kD + 4;
+  static constexpr int kWarps = kD / 16, kThreads = 32 * kWarps, kCols = 8, kBlocksPerHead = kD / kCols;
+  static constexpr int kPitch = kD + 4;
   static constexpr size_t kSmemBytes = (2 * kD + kCols) * kPitch * sizeof(float);
 };
 
 template <int kD>
-__global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ FwdParams p, CpTables t) {
+__global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
+                                                                           CpTables t) {
   using Tr = ScanTraits<kD>;
-  constexpr int kCols = Tr::kCols, kRows = Tr::kRows, kPitch = Tr::kPitch, kRowGroups = Tr::kRowGroups;
+  constexpr int kPitch = Tr::kPitch;
   extern __shared__ float4 scan_smem[];
   float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
   float* St = Ms + 2 * kD * kPitch;                  // [kCols][kPitch]: S_end(s - 1)^T
   const int32_t hv = static_cast<int32_t>(p.Hv);
   const int64_t unit = blockIdx.x / Tr::kBlocksPerHead;
-  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * kCols;
+  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * Tr::kCols;
   const int64_t sid = unit / hv;
   const int32_t h = static_cast<int32_t>(unit % hv);
   if (sid >= t.plan[kPlanSplits]) return;
   const int4 u = t.splits[sid];  // {n, first slot, segments}
-  const int c = threadIdx.x % kCols, g = threadIdx.x / kCols;
+  // The thread's elements, in the m16n8 accumulator layout: rows r0 and r0 + 8, columns cc, cc + 1.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int r0 = 16 * warp + g, cc = 2 * q;
   auto at = [&](float* base, int64_t slot, int row) { return base + ((slot * hv + h) * kD + row) * kD; };
+  auto load2 = [&](int64_t slot, int row) { return *reinterpret_cast<const float2*>(at(p.cp.ends, slot, row) + col0 + cc); };
   auto exact = [&](int s) {
     return s < u.z && t.warm[(static_cast<int64_t>(u.y) + s) * hv + h] == kExactSegment;
   };
@@ -356,18 +418,20 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
   auto fetch_m = [&](int s) {
     float* dst = Ms + (s & 1) * kD * kPitch;
     for (int i = threadIdx.x; i < kD * kD / 4; i += Tr::kThreads) {
-      const int row = i / (kD / 4), q = i % (kD / 4);
-      cp_async_16(dst + row * kPitch + 4 * q, at(p.cp.trans, u.y + s, row) + 4 * q);
+      const int row = i / (kD / 4), c4 = i % (kD / 4);
+      cp_async_16(dst + row * kPitch + 4 * c4, at(p.cp.trans, u.y + s, row) + 4 * c4);
     }
   };
 
   // One step ahead: the next segment's N (or E) in registers, its M in shared memory, and the
   // exactness of the one after (it decides that M's copy).
-  float acc[kRows], next[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    acc[r] = at(p.cp.ends, u.y, r * kRowGroups + g)[col0 + c];
-    next[r] = u.z > 1 ? at(p.cp.ends, u.y + 1, r * kRowGroups + g)[col0 + c] : 0.f;
+  // Segment s's end state is read only where the chain needs it: a movable segment (phase 2
+  // may run it, fwd_scheduler.cuh) writes none.
+  auto needed = [&](int s) { return s + 1 >= u.z || exact(s) || exact(s + 1); };
+  float2 lo = load2(u.y, r0), hi = load2(u.y, r0 + 8), next_lo = {}, next_hi = {};
+  if (u.z > 1 && needed(1)) {
+    next_lo = load2(u.y + 1, r0);
+    next_hi = load2(u.y + 1, r0 + 8);
   }
   bool exact_this = exact(1), exact_next = exact(2);
   if (exact_this) fetch_m(1);
@@ -380,27 +444,32 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
     cp_async_commit();
     exact_this = exact_next;
     exact_next = exact(s + 2);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      St[c * kPitch + r * kRowGroups + g] = acc[r];
-      acc[r] = next[r];
-      if (s + 1 < u.z) next[r] = at(p.cp.ends, slot + 1, r * kRowGroups + g)[col0 + c];
+    St[cc * kPitch + r0] = lo.x;
+    St[(cc + 1) * kPitch + r0] = lo.y;
+    St[cc * kPitch + r0 + 8] = hi.x;
+    St[(cc + 1) * kPitch + r0 + 8] = hi.y;
+    lo = next_lo;
+    hi = next_hi;
+    if (s + 1 < u.z && needed(s + 1)) {
+      next_lo = load2(slot + 1, r0);
+      next_hi = load2(slot + 1, r0 + 8);
     }
     if (!run) continue;
     cp_async_wait<1>();  // this thread's copies of M_s are done (those of M_{s+1} may fly)
     __syncthreads();     // ... and everyone's, and St is written
-    const float* M = Ms + (s & 1) * kD * kPitch;
-#pragma unroll 4
-    for (int k = 0; k < kD; k += 4) {
-      const float4 x = *reinterpret_cast<const float4*>(&St[c * kPitch + k]);
+    const float* M = Ms + (s & 1) * kD * kPitch + (16 * warp) * kPitch;
+    float d[4] = {lo.x, lo.y, hi.x, hi.y};  // N_s, then += M_s S_end(s - 1)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float4 m = *reinterpret_cast<const float4*>(&M[(r * kRowGroups + g) * kPitch + k]);
-        acc[r] = fmaf(m.x, x.x, fmaf(m.y, x.y, fmaf(m.z, x.z, fmaf(m.w, x.w, acc[r]))));
-      }
+    for (int k = 0; k < kD; k += 8) {
+      const float a[4] = {M[g * kPitch + k + q], M[(g + 8) * kPitch + k + q], M[g * kPitch + k + q + 4],
+                          M[(g + 8) * kPitch + k + q + 4]};
+      const float b[2] = {St[g * kPitch + k + q], St[g * kPitch + k + q + 4]};
+      mma_tf32<true>(d, a, b);
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) at(p.cp.ends, slot, r * kRowGroups + g)[col0 + c] = acc[r];
+    lo = make_float2(d[0], d[1]);
+    hi = make_float2(d[2], d[3]);
+    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0) + col0 + cc) = lo;
+    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0 + 8) + col0 + cc) = hi;
   }
   cp_async_wait<0>();
   if (!p.write_final) return;
@@ -411,10 +480,11 @@ __global__ void __launch_bounds__(256) cp_scan_kernel(const __grid_constant__ Fw
     row = cuda::load_index(p.state_idx, p.state_idx_dtype, u.x);
   }
   if (row < 0 || dst.data == nullptr) return;
+  const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int e = 0; e < 4; ++e)
     cuda::store_from_float(dst.data, dst.dtype,
-                           state_offset(dst, row, h, r * kRowGroups + g, col0 + c, p.v_first), acc[r]);
+                           state_offset(dst, row, h, r0 + 8 * (e >> 1), col0 + cc + (e & 1), p.v_first), v[e]);
 }
 
 }  // namespace

@@ -16,7 +16,9 @@
 //               and for exact segments the local state N (from zero) and the transfer M;
 //   5. scan     : S_end(s) = M_s S_end(s - 1) + N_s over each split sequence's segments, in
 //               fp32; writes the final state;
-//   6. forward phase 2: exact segments again from their true start state, writing o.
+//   6. forward phase 2: exact segments again from their true start state, writing o, and beside
+//               them the movable CTAs of the last items (cp_movable: results nobody reads
+//               before the call ends), so that the second pass does not run on idle SMs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,7 +38,8 @@ enum CpPlanWord : int {
   kPlanSlots = 2,   // segments of split sequences
   kPlanSplits = 3,  // split sequences
   kPlanBounds = 4,  // segment starts certified (multiples of L_min chunks)
-  kPlanWords = 5,
+  kPlanDeferFrom = 5,  // items from here on run their movable CTAs in phase 2 (cp_movable)
+  kPlanWords = 6,
 };
 
 // cp.warm[] value of a segment that takes the exact path.

@@ -215,7 +215,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   launch(fp, (c.max_slots + c.max_items) * p.Hv);
   launch_cp_scan(c, fp, t, stream);
   fp.cp.phase = 2;
-  launch(fp, c.max_slots * p.Hv);
+  launch(fp, (c.max_slots + c.max_items) * p.Hv);
 }
 
 }  // namespace flashgdn::sm90

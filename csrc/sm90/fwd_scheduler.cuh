@@ -51,13 +51,27 @@ struct WorkItem {
   }
 };
 
+// Whether the CTA of item u = {n, seg, slot or -1, nseg} for value head h may run in phase 2:
+// an unsplit sequence (it reads h0 and writes its final state itself), or a middle warm-up
+// segment whose end state the scan does not read (the next segment is not exact for h). First
+// segments (they read h0, maybe a pool row that the scan rewrites), last segments (the scan
+// writes the final state from their end state), exact segments and chain starts stay in phase 1.
+__device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4 u, int32_t h) {
+  if (u.z < 0) return true;
+  if (u.y == 0 || u.y + 1 >= u.w) return false;
+  const int64_t at = static_cast<int64_t>(u.z) * hv + h;
+  return warm[at] != kExactSegment && warm[at + hv] != kExactSegment;
+}
+
 // Item of this CTA. Without CP: one (sequence, value head) per CTA, the value heads of one
 // sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those loads through
 // L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
 //   phase 1: CTAs [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
 //            rest run the plan's items: whole sequences, first segments (from h0), warm-up
 //            segments (from zero, W chunks early) and the local states N of exact segments;
-//   phase 2: exact segments again, from the scanned true start state, writing o.
+//   phase 2: CTAs [0, max_slots Hv): exact segments again, from the scanned true start state,
+//            writing o; the rest: the movable CTAs of items from plan[kPlanDeferFrom] on, which
+//            phase 1 skipped.
 __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
   WorkItem w;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -71,14 +85,19 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
   w.slot = -1;
   w.active = true;
   int32_t seg = 0;
-  bool trans = false;
+  bool trans = false, deferred_item = false;
   if (p.cp.phase != 0) {
     int4 u;
-    if (p.cp.phase == 1 && unit >= p.cp.max_slots) {
+    if (unit >= p.cp.max_slots) {  // an item: phase 1 runs it unless phase 2 takes it
       unit -= p.cp.max_slots;
       w.active = unit < p.cp.plan[kPlanItems];
       u = w.active ? p.cp.items[unit] : make_int4(0, 0, -1, 1);
+      if (w.active) {
+        const bool deferred = unit >= p.cp.plan[kPlanDeferFrom] && cp_movable(p.cp.warm, hv, u, w.h);
+        w.active = deferred == (p.cp.phase == 2);
+      }
       w.slot = u.z;
+      deferred_item = p.cp.phase == 2;
     } else {
       w.active = unit < p.cp.plan[kPlanSlots];
       u = w.active ? p.cp.slots[unit] : make_int4(0, 0, 1, 0);
@@ -98,13 +117,13 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
     finish = min(finish, begin + seg_tokens);
     const int32_t warm = seg == 0 ? 0 : p.cp.warm[w.slot * hv + w.h];
     const bool exact = seg > 0 && warm == kExactSegment;
-    if (trans || p.cp.phase == 2) {
+    if (trans || (p.cp.phase == 2 && !deferred_item)) {
       w.active = exact;  // M, and the second pass, only for exact segments
       w.init = trans ? kInitIdentity : kInitPrevEnd;
       w.end = trans ? kEndTrans : kEndNone;
       if (trans) w.out_chunk0 = INT32_MAX;
     } else {
-      w.end = kEndSlot;
+      w.end = deferred_item ? kEndNone : kEndSlot;  // nobody reads a movable CTA's end state
       if (seg > 0) {
         w.init = kInitZero;
         if (exact) {
