@@ -343,10 +343,15 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const int32_t h = static_cast<int32_t>(e % hv);
     t.warm[e] = u.y == 0 ? 0 : t.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
   }
-  // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and from which item on. The
-  // threshold uses the items' average of movable CTAs: a few more or fewer only move time
-  // between the phases (which CTAs run where does not change any result).
+  // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and which: the last ones in item
+  // order (items are longest first, so the shortest move), counted to the CTA, so that phase 1
+  // ends on the wave boundary the cost model priced. The threshold is a CTA index unit Hv + h
+  // (the item CTAs' order in the grid): a block-wide scan of the items' movable counts from the
+  // last item finds the item where the count reaches `deferred`, then the head within it. Which
+  // CTAs run where changes no result, only the time.
   __shared__ unsigned long long movable_exact[2];
+  __shared__ unsigned long long deferred;
+  __shared__ int32_t defer_from;
   if (threadIdx.x == 0) movable_exact[0] = movable_exact[1] = 0;
   __syncthreads();  // also: pass 3's flags are visible
   const int32_t n_items = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
@@ -360,10 +365,32 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long mv = movable_exact[0], ex = movable_exact[1];
-    const unsigned long long deferred =
-        cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, ex, sms);
-    const long long behind = deferred == 0 ? 0 : static_cast<long long>((deferred * n_items + mv - 1) / mv);
-    t.plan[kPlanDeferFrom] = static_cast<int32_t>(max(0LL, static_cast<long long>(n_items) - behind));
+    deferred = cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, ex, sms);
+    defer_from = INT32_MAX;  // nothing moves
+  }
+  __syncthreads();
+  unsigned long long after = 0;  // movable CTAs in the items behind this tile
+  for (int32_t last = n_items - 1; deferred > 0 && last >= 0; last -= kPlanThreads) {
+    const int32_t i = last - static_cast<int32_t>(threadIdx.x);
+    int count = 0;
+    if (i >= 0)
+      for (int32_t h = 0; h < hv; ++h) count += cp_movable(t.warm, hv, t.items[i], h) ? 1 : 0;
+    int through, tile;  // movable CTAs in items [i, last], and in the whole tile
+    Scan(tmp.scan).InclusiveSum(count, through, tile);
+    const unsigned long long behind = after + static_cast<unsigned long long>(through - count);
+    if (count > 0 && behind < deferred && behind + static_cast<unsigned long long>(count) >= deferred) {
+      // Item i's last `need` movable heads move: h is the first of them.
+      int32_t h = hv;
+      for (unsigned long long need = deferred - behind; need > 0;)
+        if (cp_movable(t.warm, hv, t.items[i], --h)) --need;
+      defer_from = i * hv + h;
+    }
+    __syncthreads();  // defer_from is seen by all; tmp.scan may be reused
+    if (defer_from != INT32_MAX) break;
+    after += static_cast<unsigned long long>(tile);
+  }
+  if (threadIdx.x == 0) {
+    t.plan[kPlanDeferFrom] = defer_from;
     t.plan[kPlanChunks] = static_cast<int32_t>(L);
     t.plan[kPlanItems] = n_items;
     t.plan[kPlanSlots] = n_slots;

@@ -38,7 +38,7 @@ enum CpPlanWord : int {
   kPlanSlots = 2,   // segments of split sequences
   kPlanSplits = 3,  // split sequences
   kPlanBounds = 4,  // segment starts certified (multiples of L_min chunks)
-  kPlanDeferFrom = 5,  // items from here on run their movable CTAs in phase 2 (cp_movable)
+  kPlanDeferFrom = 5,  // item CTAs (unit Hv + h) from here on run in phase 2 if movable (cp_movable)
   kPlanWords = 6,
 };
 

@@ -70,8 +70,8 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
 //            rest run the plan's items: whole sequences, first segments (from h0), warm-up
 //            segments (from zero, W chunks early) and the local states N of exact segments;
 //   phase 2: CTAs [0, max_slots Hv): exact segments again, from the scanned true start state,
-//            writing o; the rest: the movable CTAs of items from plan[kPlanDeferFrom] on, which
-//            phase 1 skipped.
+//            writing o; the rest: the movable CTAs whose index unit Hv + h is at least
+//            plan[kPlanDeferFrom], which phase 1 skipped.
 __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
   WorkItem w;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -93,7 +93,8 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
       w.active = unit < p.cp.plan[kPlanItems];
       u = w.active ? p.cp.items[unit] : make_int4(0, 0, -1, 1);
       if (w.active) {
-        const bool deferred = unit >= p.cp.plan[kPlanDeferFrom] && cp_movable(p.cp.warm, hv, u, w.h);
+        const bool deferred =
+            unit * hv + w.h >= p.cp.plan[kPlanDeferFrom] && cp_movable(p.cp.warm, hv, u, w.h);
         w.active = deferred == (p.cp.phase == 2);
       }
       w.slot = u.z;
