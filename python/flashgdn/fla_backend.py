@@ -32,11 +32,11 @@ The backend returns what FLA returns: ``(o, final_state)``, ``o`` in q's dtype a
 state in float32 whatever the initial state's dtype (``flashgdn.chunk_gated_delta_rule``'s
 default is FLA's), and is differentiable like FLA's.
 
-Priority: ``PRIORITY`` = 4, after FlashQLA's 3 and before the default 5, because on the H100
-measurements of bench/results flashgdn's forward is still slower than FlashQLA's for the shapes
-FlashQLA takes (K = V = 128); it is not yet measured through FLA's dispatch and needs measuring
-again once the Hopper forward is rewritten. ``FLASHGDN_FLA_PRIORITY=n`` (an integer, read when
-the backend is registered) overrides it.
+Priority: ``PRIORITY`` = 4, after FlashQLA's 3 and before the default 5, from measurement
+(docs/engines.md; ``bench/fla_dispatch.py``): routed through FLA's dispatch, flashgdn's forward
+is 1.5-1.9x FLA's own on the H100 and has a backward where FLA 0.6.0 refuses its own (Hopper,
+Triton < 3.7.1); FlashQLA's forward is even with flashgdn's but its backward is ~14x faster.
+``FLASHGDN_FLA_PRIORITY=n`` (an integer, read when the backend is registered) overrides it.
 """
 from __future__ import annotations
 

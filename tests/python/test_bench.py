@@ -320,6 +320,16 @@ def test_run_script_lists_and_validates_without_a_gpu():
     assert r.returncode != 0 and "--part: expected i/n with 1 <= i <= n, got 3/2" in r.stderr
 
 
+def test_fla_dispatch_script_validates_its_arguments_before_any_gpu_work():
+    script = str(BENCH_DIR / "fla_dispatch.py")
+    r = subprocess.run([sys.executable, script, "--layouts", "nosuch"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--layouts: 'nosuch' matches no layout of the matrix" in r.stderr
+    r = subprocess.run([sys.executable, script, "--configs", "16-64"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--configs: expected a comma list of Hq/Hv" in r.stderr
+    r = subprocess.run([sys.executable, script, "--configs", "3/8"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Hv must be a positive multiple of Hq" in r.stderr
+
+
 def test_prewarm_workers_run_the_script():
     """A warm-up task runs as its own process (bench/run.py prewarm-task) and reports back, here
     the error of an unknown contender."""
