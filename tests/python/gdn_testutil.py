@@ -12,11 +12,24 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
+import flashgdn
 from flashgdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flashgdn.reference import reference_backward, reference_forward, to_f64
+
+# The marks of a test that needs the GPU: `pytest -m gpu` selects it; it skips with a reason
+# where there is no CUDA device or no CUDA backend.
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not flashgdn.has_cuda(), reason="flashgdn was built without the CUDA backend"),
+]
+GPU = pytest.param("cuda", marks=GPU_MARKS)
+# Tests parametrised over both backends.
+DEVICES = ["cpu", GPU]
 
 # Records of every check: {"test", "tensor", "rel_l2", "worst_slice", "bound", ...}.
 ERROR_RECORDS: List[dict] = []

@@ -16,13 +16,8 @@ import torch.nn.functional as F
 
 import flashgdn
 from flashgdn.reference import reference_backward, reference_forward, to_f64
+from gdn_testutil import DEVICES, _rel
 
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"),
-    pytest.mark.skipif(not flashgdn.has_cuda(), reason="flashgdn was built without the CUDA backend"),
-])
-DEVICES = ["cpu", GPU]
 
 # FLA's lists (test_gated_delta.py, not COMPILER_MODE).
 FLA_B = 2
@@ -50,8 +45,7 @@ def err_ratio(x: torch.Tensor, ref: np.ndarray) -> float:
     xa = to_f64(x)
     assert xa.shape == ref.shape, f"shape {xa.shape}, reference {ref.shape}"
     assert np.isfinite(xa).all(), "non-finite elements"
-    num, den = float(np.linalg.norm((xa - ref).ravel())), float(np.linalg.norm(ref.ravel()))
-    return 0.0 if num == 0.0 else num / max(den, 1e-300)
+    return _rel(xa, ref)
 
 
 def run_and_compare(device, q, k, v, g, beta, h0, scale, cu_seqlens, tol, dg_rule=False):

@@ -10,16 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import flashgdn
 from flashgdn.reference import to_f64
-from gdn_testutil import bounds_for, check_all, lowlevel_fwd_bwd, make_case, oracle_backward, oracle_forward
+from gdn_testutil import (DEVICES, GPU, bounds_for, check_all, lowlevel_fwd_bwd, make_case, oracle_backward,
+                          oracle_forward)
 
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"),
-    pytest.mark.skipif(not flashgdn.has_cuda(), reason="flashgdn was built without the CUDA backend"),
-])
-DEVICES = ["cpu", GPU]
 INF, NAN = float("inf"), float("nan")
 
 

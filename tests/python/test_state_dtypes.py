@@ -17,15 +17,9 @@ import torch
 import flashgdn
 from flashgdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flashgdn.reference import reference_forward, to_f64
-from gdn_testutil import (_rel, bounds_for, check, loss_and_grads, make_case, nan_like, oracle_backward,
+from gdn_testutil import (DEVICES, _rel, bounds_for, check, loss_and_grads, make_case, nan_like, oracle_backward,
                           oracle_forward)
 
-GPU = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"),
-    pytest.mark.skipif(not flashgdn.has_cuda(), reason="flashgdn was built without the CUDA backend"),
-]
-DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 STATE_DTYPES = [torch.bfloat16, torch.float16]
 IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 PACK = [300, 0, 1, 64, 130]
