@@ -399,15 +399,15 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
 }
 
 // ---- scan ------------------------------------------------------------------------------------
-// A CTA per (split sequence, value head, 8 state columns), a warp per 16 state rows. Along the
-// sequence's segments s = 1, 2, ..:
+// A chain per (split sequence, value head, 8 state columns), walked by one CTA at a time (a
+// CTA walks several chains one after another when there are more than fit on the SMs), a warp
+// per 16 state rows. Along the sequence's segments s = 1, 2, ..:
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
 // one is the sequence's final state (ht or the pool row, in its dtype and layout). The product
 // is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA chain it
-// replaces: 128-term sums in fp32 carry ~2^-20 anyway): the FMA version was bound by its
-// shared-memory reads (~4.4 us a step at 2/8). The chain is latency-bound, so the next exact
+// replaces: 128-term sums in fp32 carry ~2^-20 anyway). The chain is latency-bound, so the next exact
 // segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
 // this one's product runs. Rows of M and S^T are padded to kD + 4 floats (= 4 mod 32), so the
 // mma fragments' reads touch 32 distinct banks.
@@ -418,20 +418,17 @@ struct ScanTraits {
   static constexpr size_t kSmemBytes = (2 * kD + kCols) * kPitch * sizeof(float);
 };
 
+// One chain: work unit `index` = (split sequence, value head, block of kCols state columns).
 template <int kD>
-__global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
-                                                                           CpTables t) {
+__device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t, int64_t index, float* Ms,
+                                           float* St) {
   using Tr = ScanTraits<kD>;
   constexpr int kPitch = Tr::kPitch;
-  extern __shared__ float4 scan_smem[];
-  float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
-  float* St = Ms + 2 * kD * kPitch;                  // [kCols][kPitch]: S_end(s - 1)^T
   const int32_t hv = static_cast<int32_t>(p.Hv);
-  const int64_t unit = blockIdx.x / Tr::kBlocksPerHead;
-  const int col0 = static_cast<int>(blockIdx.x % Tr::kBlocksPerHead) * Tr::kCols;
+  const int64_t unit = index / Tr::kBlocksPerHead;
+  const int col0 = static_cast<int>(index % Tr::kBlocksPerHead) * Tr::kCols;
   const int64_t sid = unit / hv;
   const int32_t h = static_cast<int32_t>(unit % hv);
-  if (sid >= t.plan[kPlanSplits]) return;
   const int4 u = t.splits[sid];  // {n, first slot, segments}
   // The thread's elements, in the m16n8 accumulator layout: rows r0 and r0 + 8, columns cc, cc + 1.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -514,6 +511,26 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
                            state_offset(dst, row, h, r0 + 8 * (e >> 1), col0 + cc + (e & 1), p.v_first), v[e]);
 }
 
+
+// The grid is at most what fits on the SMs at once, and each CTA walks the units blockIdx.x,
+// blockIdx.x + gridDim.x, .. below the plan's count: the host knows only a bound on the splits
+// (max_splits, from the shapes), and a grid of one CTA per bounded unit was mostly CTAs that
+// found no split and exited, queued behind the chains on the SMs left free (at 2/8 1x32768:
+// 3840 of 3968 CTAs, at 136 KB of shared memory each, one per SM).
+template <int kD>
+__global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
+                                                                           CpTables t) {
+  using Tr = ScanTraits<kD>;
+  extern __shared__ float4 scan_smem[];
+  float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
+  float* St = Ms + 2 * kD * Tr::kPitch;              // [kCols][kPitch]: S_end(s - 1)^T
+  const int64_t units = static_cast<int64_t>(t.plan[kPlanSplits]) * p.Hv * Tr::kBlocksPerHead;
+  for (int64_t index = blockIdx.x; index < units; index += gridDim.x) {
+    scan_chain<kD>(p, t, index, Ms, St);
+    __syncthreads();  // the next chain's copies overwrite Ms and St
+  }
+}
+
 }  // namespace
 
 CpLayout cp_layout(const Problem& p, int sms) {
@@ -569,21 +586,25 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
 }
 
 template <int kD>
-void launch_scan(int64_t units, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
+void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   constexpr size_t bytes = ScanTraits<kD>::kSmemBytes;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_scan_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
-  cp_scan_kernel<kD><<<static_cast<unsigned>(units), ScanTraits<kD>::kThreads, bytes, stream>>>(fp, t);
+  int per_sm = 0;
+  FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cp_scan_kernel<kD>,
+                                                                ScanTraits<kD>::kThreads, bytes));
+  const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
+  cp_scan_kernel<kD><<<static_cast<unsigned>(grid), ScanTraits<kD>::kThreads, bytes, stream>>>(fp, t);
   FGDN_CHECK_LAUNCH("cp_scan_kernel");
 }
 
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  const int64_t units = c.max_splits * fp.Hv * (fp.state_dim / 8);
+  const int64_t units = c.max_splits * fp.Hv * (fp.state_dim / 8);  // a bound: the plan has the count
   if (units == 0) return;
   if (fp.state_dim == 128)
-    launch_scan<128>(units, fp, t, stream);
+    launch_scan<128>(units, c.sms, fp, t, stream);
   else
-    launch_scan<64>(units, fp, t, stream);
+    launch_scan<64>(units, c.sms, fp, t, stream);
 }
 
 }  // namespace flashgdn::sm90
