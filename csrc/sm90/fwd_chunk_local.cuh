@@ -7,11 +7,9 @@
 //   T     = (I + A)^-1                                         (fwd_inverse.cuh)
 //   per-token factors ykf, yb, of, vd and the chunk decay exp(c_C) (fwd_smem.cuh)
 //
-// The grams leave the wgmma accumulators raw (K K^T to sm.af, Q K^T to sm.tf), so that the
-// elementwise gating, whose work is triangular, is spread evenly over the warpgroup instead of
-// following the accumulator rows (warp 3 would own 4x the work of warp 0). Per chunk:
+// A and P are gated in the grams' accumulator registers (gate_products). Per chunk:
 //
-//   K K^T, Q K^T (wgmma) -> af, tf   -- barrier --  A in af, P to the local stage (balanced)
+//   K K^T, Q K^T (wgmma); A to af, P to the local stage
 //   -- barrier --  every warp w: T_ww   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors,
 //   warp 0: T rows 0-15 out   -- barrier --  warps 2, 3: X_2, X_3   -- barrier --  warps 2, 3:
 //   T_2L, T_3L, T rows out | warp 1: T rows 16-31 out
@@ -50,70 +48,54 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
   return swizzle128(row, col >> 3) + (col & 7) * 2;
 }
 
-// Raw accumulators of a 64 x 64 gram (d = X K^T, this warp's rows) to an fp32 tile, row-major.
-__device__ __forceinline__ void store_gram(float (*m)[68], const float (&d)[32], int warp, int lane) {
-  const int g8 = lane >> 2, q4 = lane & 3;
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      *reinterpret_cast<float2*>(&m[16 * warp + g8 + 8 * i][8 * jj + 2 * q4]) =
-          make_float2(d[4 * jj + 2 * i], d[4 * jj + 2 * i + 1]);
-}
-
-// The gates and factors of A and P, from the raw K K^T (in sm.af) and Q K^T (in sm.tf), shared
-// per element (j <= i; s_ij = 2^(c2_i - c2_j) fk_j):
-//   A_ij = beta_i fk_i (K K^T)_ij s_ij  (j < i, in place in sm.af)
-//   P_ij = scale fq_i (Q K^T)_ij s_ij   (to the local stage in the operand type)
-// zero for rows past the chunk. Balanced over the warpgroup: thread t takes rows 63 - t/4 and t/4
-// (65 elements together, 17 groups of 4 columns), groups t % 4, t % 4 + 4, ...; every thread
-// runs 5 group slots (a 5th group exists only for t % 4 == 0).
+// The gates and factors of A and P, straight from the grams' accumulators. Warp w holds rows
+// i in {16 w + g, 16 w + g + 8} (lane = 4 g + q) and, per column block jj, columns
+// j = 8 jj + 2 q + e; with s_ij = 2^(c2_i - c2_j) fk_j, shared by both products:
+//   A_ij = beta_i fk_i (K K^T)_ij s_ij   (j < i)  -> sm.af in fp32, for the inverse
+//   P_ij = scale fq_i (Q K^T)_ij s_ij    (j <= i) -> the local stage in the operand type
+// zero for rows past the chunk (selected, not multiplied: s_ij may be inf above the diagonal).
+// Only the blocks jj <= 2 w + 1 reach the diagonal of warp w's rows: the inverse never reads A
+// right of its diagonal block, and P's blocks further right stay zero from the stage's first
+// fill. Warp 3 thus does 4x warp 0's elements; in registers that is a few hundred cycles (the
+// balanced form through shared memory took ~3600 a chunk: bench/NOTES.md).
 template <class Tr, class Stage, class Local>
 __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& sm, const Stage& in,
-                                              Local& loc, int len, int tid) {
+                                              Local& loc, const float (&kk)[32], const float (&qk)[32],
+                                              int len, int warp, int lane) {
   using Tin = typename Tr::Tin;
-  const int pr = tid >> 2, q = tid & 3;
-  const int ghi = (64 - pr + 3) >> 2;  // groups of row 63 - pr: columns 0 .. 63 - pr
-  const int total = ghi + ((pr + 4) >> 2);
-  auto group = [&](int u) {
-    int k = q + 4 * u;
-    const bool active = k < total;
-    if (!active) k = q;  // recomputes a valid group, not stored
-    const bool hi = k < ghi;
-    const int i = hi ? 63 - pr : pr;
-    const int j0 = 4 * (hi ? k : k - ghi);
-    const float ci = in.c2[i];
-    const bool vi = i < len;
-    const float ra = in.beta[i] * in.fk[i], rp = p.scale * in.fq[i];
-    const float4 cj = *reinterpret_cast<const float4*>(&in.c2[j0]);
-    const float4 fj = *reinterpret_cast<const float4*>(&in.fk[j0]);
-    const float4 ka = *reinterpret_cast<const float4*>(&sm.af[i][j0]);
-    const float4 qa = *reinterpret_cast<const float4*>(&sm.tf[i][j0]);
-    const float cjs[4] = {cj.x, cj.y, cj.z, cj.w}, fjs[4] = {fj.x, fj.y, fj.z, fj.w};
-    const float kas[4] = {ka.x, ka.y, ka.z, ka.w}, qas[4] = {qa.x, qa.y, qa.z, qa.w};
-    float a[4], pp[4];
+  const int g8 = lane >> 2, q4 = lane & 3;
+  float ci[2], ra[2], rp[2];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int jc = j0 + e;
-      const float sij = exp2_approx(ci - cjs[e]) * fjs[e];
-      a[e] = (vi && jc < i) ? ra * kas[e] * sij : 0.f;
-      pp[e] = (vi && jc <= i) ? rp * qas[e] * sij : 0.f;
-    }
-    if (active) {
-      *reinterpret_cast<float4*>(&sm.af[i][j0]) = make_float4(a[0], a[1], a[2], a[3]);
-      uint2 h, l;
-      split_pair<Tin, Tr::kSplitLocal>(pp[0], pp[1], h.x, l.x);
-      split_pair<Tin, Tr::kSplitLocal>(pp[2], pp[3], h.y, l.y);
+  for (int h = 0; h < 2; ++h) {
+    const int i = 16 * warp + g8 + 8 * h;
+    const bool valid = i < len;
+    ci[h] = in.c2[i];
+    ra[h] = valid ? in.beta[i] * in.fk[i] : 0.f;
+    rp[h] = valid ? p.scale * in.fq[i] : 0.f;
+  }
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    if (jj > 2 * warp + 1) break;  // warp-uniform
+    const int j0 = 8 * jj + 2 * q4;
+    const float2 cj = *reinterpret_cast<const float2*>(&in.c2[j0]);
+    const float2 fj = *reinterpret_cast<const float2*>(&in.fk[j0]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 16 * warp + g8 + 8 * h, idx = 4 * jj + 2 * h;
+      const float s0 = exp2_approx(ci[h] - cj.x) * fj.x, s1 = exp2_approx(ci[h] - cj.y) * fj.y;
+      const float a0 = j0 < i ? ra[h] * kk[idx] * s0 : 0.f;
+      const float a1 = j0 + 1 < i ? ra[h] * kk[idx + 1] * s1 : 0.f;
+      const float p0 = j0 <= i ? rp[h] * qk[idx] * s0 : 0.f;
+      const float p1 = j0 + 1 <= i ? rp[h] * qk[idx + 1] * s1 : 0.f;
+      *reinterpret_cast<float2*>(&sm.af[i][j0]) = make_float2(a0, a1);
+      uint32_t hi, lo;
+      split_pair<Tin, Tr::kSplitLocal>(p0, p1, hi, lo);
       const uint32_t off = tile_offset(i, j0);
-      *reinterpret_cast<uint2*>(reinterpret_cast<char*>(&loc.p[0][0][0]) + off) = h;
-      if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint2*>(reinterpret_cast<char*>(&loc.p[1][0][0]) + off) = l;
+      *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[0][0][0]) + off) = hi;
+      if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[1][0][0]) + off) = lo;
     }
-  };
-  // One group at a time (4 independent elements): hoisting the loads of several groups spills.
-#pragma unroll 1
-  for (int u = 0; u < 5; ++u) group(u);
+  }
 }
-
 
 // Rows 16 w .. 16 w + 15 of T (fp32, finished) to the local stage in the operand type: lane ->
 // row 16 w + lane / 2, its 16-byte chunks of parity lane % 2; zeros right of the block diagonal
@@ -160,7 +142,7 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
   using Tin = typename Tr::Tin;
   constexpr uint32_t kBar = static_cast<uint32_t>(FwdBarrier::kChunkLocal);
 
-  // P's 4-column groups right of the diagonal are never written: zero once in every stage.
+  // P's column blocks right of a warp's diagonal block are never written: zero once in every stage.
   for (int s = 0; s < Tr::kLocalStages; ++s)
     for (int i = tid_in; i < Tr::kLocalParts * 64 * 64 / 8; i += 128)
       reinterpret_cast<uint4*>(&sm.local[s].p[0][0][0])[i] = make_uint4(0, 0, 0, 0);
@@ -178,28 +160,17 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     const int warp = tid >> 5, lane = tid & 31;
     sm.in_ready[pin.stage].wait(pin.phase);
 
-    // ---- K K^T and Q K^T on the tensor cores, raw, to af and tf --------------------------------
+    // ---- K K^T and Q K^T on the tensor cores; A and P from the accumulators ------------------
     {
-      float kk[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) kk[i] = 0.f;
+      float kk[32] = {}, qk[32] = {};
       gram_issue<Tr>(kk, in.qk, 64);
-      wgmma_wait<0>();
-      fence_regs(kk);
-      store_gram(sm.af, kk, warp, lane);
-    }
-    {
-      float qk[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) qk[i] = 0.f;
       gram_issue<Tr>(qk, in.qk, 0);
       wgmma_wait<0>();
+      fence_regs(kk);
       fence_regs(qk);
-      store_gram(sm.tf, qk, warp, lane);
+      sm.local_empty[ploc.stage].wait(ploc.phase ^ 1);
+      gate_products<Tr>(p, sm, in, loc, kk, qk, len, warp, lane);
     }
-    sm.local_empty[ploc.stage].wait(ploc.phase ^ 1);
-    named_barrier_sync(kBar, 128);  // both grams
-    gate_products<Tr>(p, sm, in, loc, len, tid);
     named_barrier_sync(kBar, 128);  // A
     invert_diagonal_block(sm, warp, lane);
     named_barrier_sync(kBar, 128);  // every T_ww

@@ -5,8 +5,7 @@
 //   l2norm:                    f = 1 / sqrt(|x|^2 + 1e-6), applied later as diagonal factors,
 //                              so q and k enter the tensor cores exactly as loaded;
 //   otherwise:                 f = 1.
-// |x|^2 is the diagonal of the 16 x 16 blocks X_b X_b^T, formed on the tensor cores (mma.sync
-// m16n8k16: products of 16-bit values are exact in fp32): 4 blocks x D/16 k-steps a warp.
+// |x|^2 by row_sumsq: lane l takes rows l and l + 32 of its half.
 // Rare path: a row whose sum of squares reaches 2^100 (it may have overflowed, or would in
 // K K^T) is scaled in place by a power of two first. Then 64 arrivals on in_ready. Running a
 // chunk ahead of the chunk-local warpgroup, this keeps the row reads off its critical path.
@@ -68,28 +67,35 @@ __device__ __forceinline__ float rescale_row(typename Tr::Tin (*qk)[128][64], in
   return rsqrtf(s + 1e-6f * down * down);
 }
 
-// Sums of squares of rows 16 b .. 16 b + 15 of the stacked tile, from the diagonal of
-// X_b X_b^T: ldmatrix gives the A fragment of a 16 x 16 k-step, and the same registers are the B
-// fragments of its two 8-row halves (B = X_b^T). Returns lane (g, t)'s diagonal elements (rows
-// g and g + 8) where t == g / 2, else garbage.
+// Sum of squares of one row of the stacked tile, in fp32 on the CUDA cores (squares of 16-bit
+// values are exact; two partial sums). A lane reads whole rows: the 128-byte swizzle puts the 8
+// rows of a group at different 16-byte chunks, so a warp's reads of one chunk index meet no bank
+// conflict. (The tensor-core form, diag(X X^T) by mma.sync, measured ~8200 cycles a chunk for
+// the two warps: its small mmas wait behind the state's wgmmas on the tensor pipe.)
 template <class Tr>
-__device__ __forceinline__ float2 block_sumsq(typename Tr::Tin (*qk)[128][64], int b, int lane) {
-  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+__device__ __forceinline__ float row_sumsq(typename Tr::Tin (*qk)[128][64], int row) {
+  float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-  for (int ks = 0; ks < Tr::kD / 16; ++ks) {
-    uint32_t a[4];
-    ldmatrix_x4(a, row_chunk_addr<Tr>(qk, ks >> 2, 16 * b + (lane & 15), 2 * (ks & 3) + (lane >> 4)));
-    cuda::mma_16816<typename Tr::Tin>(d0, a, a[0], a[2]);
-    cuda::mma_16816<typename Tr::Tin>(d1, a, a[1], a[3]);
-  }
-  const int odd = (lane >> 2) & 1;
-  return make_float2(odd ? d0[1] : d0[0], odd ? d1[3] : d1[2]);
+  for (int blk = 0; blk < Tr::kBlocks; ++blk)
+#pragma unroll 4
+    for (int ch = 0; ch < 8; ++ch) {
+      uint32_t w[4];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                   : "r"(row_chunk_addr<Tr>(qk, blk, row, ch)));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = unpack2<typename Tr::Tin>(w[e]);
+        s0 = fmaf(x.x, x.x, s0);
+        s1 = fmaf(x.y, x.y, s1);
+      }
+    }
+  return s0 + s1;
 }
 
 template <class Tr>
 __device__ __forceinline__ void fwd_row_norms(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
                                               int is_k, int lane) {
-  const int g = lane >> 2, t = lane & 3;
   for (int32_t j = 0; j < w.nchunks; ++j) {
     const RingPos<Tr::kInStages> pos(j);
     auto& st = sm.in[pos.stage];
@@ -104,18 +110,14 @@ __device__ __forceinline__ void fwd_row_norms(const FwdParams& p, FwdSmem<Tr>& s
     }
     if (p.l2norm) {
 #pragma unroll 1
-      for (int b = 0; b < 4; ++b) {
-        const float2 sq = block_sumsq<Tr>(st.qk, 4 * is_k + b, lane);
-        if (t == (g >> 1)) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * b + g + 8 * h;
-            const float x = h ? sq.y : sq.x;
-            float fr = 0.f;
-            if (r < len) fr = (x < kSumsqLimit || isnan(x)) ? rsqrtf(x + 1e-6f) : rescale_row<Tr>(st.qk, 64 * is_k + r);
-            f[r] = fr;
-          }
+      for (int h = 0; h < 2; ++h) {
+        const int r = lane + 32 * h;
+        float fr = 0.f;
+        if (r < len) {
+          const float x = row_sumsq<Tr>(st.qk, 64 * is_k + r);
+          fr = (x < kSumsqLimit || isnan(x)) ? rsqrtf(x + 1e-6f) : rescale_row<Tr>(st.qk, 64 * is_k + r);
         }
+        f[r] = fr;
       }
     } else {
       f[lane] = lane < len ? 1.f : 0.f;

@@ -52,12 +52,6 @@ __device__ __forceinline__ void state_fragments(const float (&x)[32], int s, int
     }
 }
 
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t r) {
-  if constexpr (WgmmaType<T>::kBf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
-  else return __half22float2(*reinterpret_cast<const __half2*>(&r));
-}
-
 template <class Tr>
 __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
                                           int sw, int tid) {

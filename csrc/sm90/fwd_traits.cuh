@@ -44,12 +44,13 @@ struct FwdTraits {
 
   // Registers per thread by role (setmaxnreg). The CTA starts with 65536 / kThreads registers a
   // thread (128 at D = 128, 168 at D = 64) and the budgets must add up to no more than that, or
-  // setmaxnreg.inc waits forever: 32 + 80 + 2 x 200 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
+  // setmaxnreg.inc waits forever: 32 + 96 + 2 x 192 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
   // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
-  // fragments (D/4); the chunk-local one a 64 x 64 accumulator and small tiles of the inverse.
+  // fragments (D/4); the chunk-local one both grams' 64 x 64 accumulators while it gates them
+  // (64), then small tiles of the inverse. (At 80 / 200 the local role spilled 128 B at D = 128.)
   static constexpr uint32_t kProducerRegs = 32;
-  static constexpr uint32_t kLocalRegs = kD == 128 ? 80 : 232;
-  static constexpr uint32_t kStateRegs = kD == 128 ? 200 : 240;
+  static constexpr uint32_t kLocalRegs = kD == 128 ? 96 : 232;
+  static constexpr uint32_t kStateRegs = kD == 128 ? 192 : 240;
   static constexpr uint32_t kEntryRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs + kLocalRegs + kStateWGs * kStateRegs <= kEntryRegs * (2 + kStateWGs),
                 "register budgets exceed the CTA's registers");

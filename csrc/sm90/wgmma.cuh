@@ -152,4 +152,11 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
   }
 }
 
+// The two 16-bit values of a 32-bit register as floats (exact).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t r) {
+  if constexpr (WgmmaType<T>::kBf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
+
 }  // namespace flashgdn::sm90
