@@ -344,6 +344,14 @@ void check_state_indices(const Checker& c, const std::vector<int64_t>& idx, int6
 // The part shared by forward and backward: the inputs, without their values.
 Problem validate_inputs(Checker& c, const fgdn_inputs& in, bool pool_written) {
   Problem p;
+#ifdef FLASHGDN_WITH_CUDA
+  // Head dims before the cuda tensors' strides: K = 100 would otherwise be refused for a row
+  // stride that is not a multiple of 16 bytes, which is true but does not say what to change.
+  if (in.q.device_type == FGDN_CUDA && in.q.ndim == 4 && in.v.ndim == 4 &&
+      !cuda_supports_head_dims(in.q.shape[3], in.v.shape[3]))
+    c.fail("q", "head dims K = V in {64, 128} on cuda",
+           "K=" + std::to_string(in.q.shape[3]) + ", V=" + std::to_string(in.v.shape[3]));
+#endif
   // q fixes B, T, Hq, K, the dtype and the device.
   c.tensor("q", in.q, {{kAny, "B"}, {kAny, "T"}, {kAny, "Hq"}, {kAny, "K"}}, kInputDtypes);
   c.set_device(in.q);
