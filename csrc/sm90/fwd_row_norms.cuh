@@ -70,8 +70,9 @@ __device__ __forceinline__ float rescale_row(typename Tr::Tin (*qk)[128][64], in
 // Sum of squares of one row of the stacked tile, in fp32 on the CUDA cores (squares of 16-bit
 // values are exact; two partial sums). A lane reads whole rows: the 128-byte swizzle puts the 8
 // rows of a group at different 16-byte chunks, so a warp's reads of one chunk index meet no bank
-// conflict. (The tensor-core form, diag(X X^T) by mma.sync, measured ~8200 cycles a chunk for
-// the two warps: its small mmas wait behind the state's wgmmas on the tensor pipe.)
+// conflict. The CUDA cores leave the tensor pipe to the wgmmas (the earlier form, diag(X X^T)
+// by mma.sync, queued its small mmas behind them); either way the two warps take thousands of
+// cycles a chunk under the state's load and run a stage ahead (bench/NOTES.md).
 template <class Tr>
 __device__ __forceinline__ float row_sumsq(typename Tr::Tin (*qk)[128][64], int row) {
   float s0 = 0.f, s1 = 0.f;
