@@ -347,7 +347,10 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, bool pool_written) {
 #ifdef FLASHGDN_WITH_CUDA
   // Head dims before the cuda tensors' strides: K = 100 would otherwise be refused for a row
   // stride that is not a multiple of 16 bytes, which is true but does not say what to change.
-  if (in.q.device_type == FGDN_CUDA && in.q.ndim == 4 && in.v.ndim == 4 &&
+  // Only where q, k and v all claim a cuda device (a bad device is the first thing to report).
+  const bool qkv_on_cuda = in.q.device_type == FGDN_CUDA && in.q.device_id >= 0 &&
+                           in.k.device_type == FGDN_CUDA && in.v.device_type == FGDN_CUDA;
+  if (qkv_on_cuda && in.q.ndim == 4 && in.v.ndim == 4 &&
       !cuda_supports_head_dims(in.q.shape[3], in.v.shape[3]))
     c.fail("q", "head dims K = V in {64, 128} on cuda",
            "K=" + std::to_string(in.q.shape[3]) + ", V=" + std::to_string(in.v.shape[3]));

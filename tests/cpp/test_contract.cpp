@@ -273,6 +273,14 @@ std::vector<Hostile> hostile_calls() {
        x.q.device_type = FGDN_CUDA;
        x.q.strides[2] = kBig62;
      }, {"'k'", "the device of q"});
+#ifdef FLASHGDN_WITH_CUDA
+  // q, k, v on cuda with K = 16 and a token stride of 24 bytes: the head dims are what to change,
+  // so they are reported before the 16-byte stride rule (FLA's K = 100 case).
+  in("cuda_head_dims_before_strides", [](fgdn_inputs& x) {
+       for (fgdn_tensor* t : {&x.q, &x.k, &x.v}) t->device_type = FGDN_CUDA;
+       x.q.strides[1] = 6;
+     }, {"'q'", "head dims K = V in {64, 128} on cuda", "K=16"});
+#endif
   in("cuda_device_id_negative", [](fgdn_inputs& x) { x.q.device_type = FGDN_CUDA; x.q.device_id = -1; },
      {"'q'", "device id"});
   in("cu_seqlens_host_on_cuda", [](fgdn_inputs& x) {
