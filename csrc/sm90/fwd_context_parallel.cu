@@ -407,8 +407,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
 // one is the sequence's final state (ht or the pool row, in its dtype and layout). The product
 // is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA chain it
-// replaces: 128-term sums in fp32 carry ~2^-20 anyway). The chain is latency-bound, so the next exact
-// segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
+// replaces: 128-term sums in fp32 carry ~2^-20 anyway). The chain is latency-bound, so the next
+// exact segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
 // this one's product runs. Rows of M and S^T are padded to kD + 4 floats (= 4 mod 32), so the
 // mma fragments' reads touch 32 distinct banks.
 template <int kD>
@@ -511,12 +511,11 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
                            state_offset(dst, row, h, r0 + 8 * (e >> 1), col0 + cc + (e & 1), p.v_first), v[e]);
 }
 
-
 // The grid is at most what fits on the SMs at once, and each CTA walks the units blockIdx.x,
 // blockIdx.x + gridDim.x, .. below the plan's count: the host knows only a bound on the splits
 // (max_splits, from the shapes), and a grid of one CTA per bounded unit was mostly CTAs that
-// found no split and exited, queued behind the chains on the SMs left free (at 2/8 1x32768:
-// 3840 of 3968 CTAs, at 136 KB of shared memory each, one per SM).
+// found no split and exited (at 2/8 1x32768: 3840 of 3968). Dropping them measured no faster
+// (bench/NOTES.md, CP step 6); it is kept as the simpler launch for the same bits.
 template <int kD>
 __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
                                                                            CpTables t) {
@@ -590,9 +589,13 @@ void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t,
   constexpr size_t bytes = ScanTraits<kD>::kSmemBytes;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_scan_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
-  int per_sm = 0;
-  FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, cp_scan_kernel<kD>,
-                                                                ScanTraits<kD>::kThreads, bytes));
+  // Resident CTAs per SM: a property of the kernel and sm_90, the only architecture it runs on.
+  static const int per_sm = [] {
+    int n = 0;
+    FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_scan_kernel<kD>, ScanTraits<kD>::kThreads,
+                                                                  ScanTraits<kD>::kSmemBytes));
+    return n;
+  }();
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
   cp_scan_kernel<kD><<<static_cast<unsigned>(grid), ScanTraits<kD>::kThreads, bytes, stream>>>(fp, t);
   FGDN_CHECK_LAUNCH("cp_scan_kernel");

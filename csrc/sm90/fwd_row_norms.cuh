@@ -80,10 +80,8 @@ __device__ __forceinline__ float row_sumsq(typename Tr::Tin (*qk)[128][64], int 
   for (int blk = 0; blk < Tr::kBlocks; ++blk)
 #pragma unroll 4
     for (int ch = 0; ch < 8; ++ch) {
-      uint32_t w[4];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                   : "r"(row_chunk_addr<Tr>(qk, blk, row, ch)));
+      const uint4 v = ld_shared_v4(row_chunk_addr<Tr>(qk, blk, row, ch));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float2 x = unpack2<typename Tr::Tin>(w[e]);

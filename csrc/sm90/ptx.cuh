@@ -14,6 +14,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// 16 bytes from a shared-memory address (a shared-state-space load, not a generic one).
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
 // ---- mbarrier ------------------------------------------------------------------------------
 // A 64-bit barrier in shared memory that completes a phase when `count` arrivals (and, with
 // expect_tx, that many bytes of TMA traffic) have been seen. Waiters poll a phase parity.
