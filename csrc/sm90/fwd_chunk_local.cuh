@@ -9,8 +9,9 @@
 //
 // A and P are gated in the grams' accumulator registers (gate_products). Per chunk:
 //
-//   K K^T, Q K^T (wgmma); A to af, P to the local stage
-//   -- barrier --  every warp w: T_ww   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors,
+//   K K^T, Q K^T (wgmma); P to the local stage, A left of the diagonal blocks to af; every
+//   warp w: T_ww from its diagonal block in registers
+//   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors,
 //   warp 0: T rows 0-15 out   -- barrier --  warps 2, 3: X_2, X_3   -- barrier --  warps 2, 3:
 //   T_2L, T_3L, T rows out | warp 1: T rows 16-31 out
 //
@@ -61,7 +62,7 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
 template <class Tr, class Stage, class Local>
 __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& sm, const Stage& in,
                                               Local& loc, const float (&kk)[32], const float (&qk)[32],
-                                              int len, int warp, int lane) {
+                                              float (&diag)[2][2][2], int len, int warp, int lane) {
   using Tin = typename Tr::Tin;
   const int g8 = lane >> 2, q4 = lane & 3;
   float ci[2], ra[2], rp[2];
@@ -87,7 +88,15 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
       const float a1 = j0 + 1 < i ? ra[h] * kk[idx + 1] * s1 : 0.f;
       const float p0 = j0 <= i ? rp[h] * qk[idx] * s0 : 0.f;
       const float p1 = j0 + 1 <= i ? rp[h] * qk[idx + 1] * s1 : 0.f;
-      *reinterpret_cast<float2*>(&sm.af[i][j0]) = make_float2(a0, a1);
+      // The diagonal block stays in registers for the inverse's first step; sm.af keeps the
+      // blocks left of it, which only this warp reads.
+      if (jj < 2 * warp) *reinterpret_cast<float2*>(&sm.af[i][j0]) = make_float2(a0, a1);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)  // (constant register indices: no local-memory array)
+        if (jj == 2 * warp + nt) {
+          diag[nt][h][0] = a0;
+          diag[nt][h][1] = a1;
+        }
       uint32_t hi, lo;
       split_pair<Tin, Tr::kSplitLocal>(p0, p1, hi, lo);
       const uint32_t off = tile_offset(i, j0);
@@ -169,11 +178,11 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
       fence_regs(kk);
       fence_regs(qk);
       sm.local_empty[ploc.stage].wait(ploc.phase ^ 1);
-      gate_products<Tr>(p, sm, in, loc, kk, qk, len, warp, lane);
+      float diag[2][2][2];
+      gate_products<Tr>(p, sm, in, loc, kk, qk, diag, len, warp, lane);
+      invert_diagonal_block(sm, diag, warp, lane);
     }
-    named_barrier_sync(kBar, 128);  // A
-    invert_diagonal_block(sm, warp, lane);
-    named_barrier_sync(kBar, 128);  // every T_ww
+    named_barrier_sync(kBar, 128);  // every T_ww; A's blocks left of the diagonal
 
     if (warp & 1) {
       merge_block_pair<Tr::kSplitLocal>(sm, warp, lane);

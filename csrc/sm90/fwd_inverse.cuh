@@ -1,8 +1,9 @@
-// T = (I + A)^-1 for the chunk's strictly lower 64 x 64 fp32 A (sm.af), into sm.tf, by the
+// T = (I + A)^-1 for the chunk's strictly lower 64 x 64 fp32 A (its 16 x 16 diagonal blocks in
+// registers, the blocks left of them in sm.af), into sm.tf, by the
 // chunk-local warpgroup: warp w owns block row w (rows 16 w .. 16 w + 15) and writes only its
 // own rows of T. In 16 x 16 blocks (L = blocks 0-1, H = blocks 2-3 of the 32 x 32 halves):
 //
-//   1. every warp:     T_ww = (I + A_ww)^-1                forward substitution, fp32
+//   1. every warp:     T_ww = (I + A_ww)^-1                forward substitution in registers, fp32
 //   2. warps 1 and 3:  T_w,w-1 = -T_ww (A_w,w-1 T_w-1,w-1)  16 x 16 products
 //   3. warps 2 and 3:  T_wL = -T_wH (A_HL T_LL)             X_w = A_wL T_LL (16 x 32), then
 //                      T_2L = -T_22 X_2, T_3L = -(T_32 X_2 + T_33 X_3)
@@ -23,31 +24,65 @@ namespace flashgdn::sm90 {
 
 constexpr int kLdF = 68;  // row stride of the fp32 tiles af / tf (floats)
 
-// Step 1 for block w: column c = lane & 15 of T_ww, x_i = -sum_{k<i} A_ik x_k (x_c = 1, zero
-// above); two partial sums halve the dependent chain, A's rows read as float4 broadcasts. Lanes
-// 16..31 repeat lanes 0..15 (one warp; no divergence) and do not store.
+// Step 1 for block w, in registers: the warp's diagonal block of A, as gate_products leaves it in
+// the accumulator layout (a[nt][h][e] = A_ww[g + 8 h][8 nt + 2 q + e], lane = 4 g + q), to
+// T_ww = (I + A_ww)^-1 in sm.tf. With the 8 x 8 blocks B0 = A_ww[0:8, 0:8], B1 = A_ww[8:16, 8:16]
+// and C = A_ww[8:16, 0:8]:
+//
+//   R_b = (I + B_b)^-1, row by row: R_b[k] = e_k - sum_{k' < k} B_b[k][k'] R_b[k']
+//   T_ww = [ R0  0 ; -R1 (C R0)  R1 ]
+//
+// Lane (g, q) holds R_b[g][2 q .. 2 q + 1]; row k reaches the other rows by shuffles, and the
+// coefficients B_b[g][k], C[g][k] are gathered before the chain. The chain is 8 shuffle + FMA
+// steps (R0 and R1 together, X = C R0 accumulated along), then one round for R1 X: no shared
+// memory until T_ww is stored. (Column by column from A in shared memory, 16 dependent steps of
+// loads, this step took ~2800 cycles of the chunk: bench/NOTES.md.)
 template <class Smem>
-__device__ __forceinline__ void invert_diagonal_block(Smem& sm, int w, int lane) {
-  const int c = lane & 15;
-  const float(*A)[kLdF] = reinterpret_cast<const float(*)[kLdF]>(&sm.af[16 * w][16 * w]);
-  float x[16];
+__device__ __forceinline__ void invert_diagonal_block(Smem& sm, const float (&a)[2][2][2], int w, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+  float b0[8], b1[8], c[8];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    float s0 = 0.f, s1 = 0.f;
+  for (int k = 0; k < 8; ++k) {
+    const int src = 4 * g + (k >> 1);  // the lane holding column k of row g
+    b0[k] = __shfl_sync(0xffffffffu, a[0][0][k & 1], src);
+    b1[k] = __shfl_sync(0xffffffffu, a[1][1][k & 1], src);
+    c[k] = __shfl_sync(0xffffffffu, a[0][1][k & 1], src);
+  }
+  float r0[2], r1[2], x[2] = {0.f, 0.f};
 #pragma unroll
-    for (int k4 = 0; k4 < i; k4 += 4) {
-      const float4 a = *reinterpret_cast<const float4*>(&A[i][k4]);
-      s0 = fmaf(a.x, x[k4], s0);
-      if (k4 + 1 < i) s1 = fmaf(a.y, x[k4 + 1], s1);
-      if (k4 + 2 < i) s0 = fmaf(a.z, x[k4 + 2], s0);
-      if (k4 + 3 < i) s1 = fmaf(a.w, x[k4 + 3], s1);
+  for (int e = 0; e < 2; ++e) r0[e] = r1[e] = 2 * q + e == g ? 1.f : 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    // Row k is final here: steps 0 .. k - 1 applied its every term (B_b[g][k] = 0 for k >= g, so
+    // rows at or above k are left as they are).
+    float rk0[2], rk1[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      rk0[e] = __shfl_sync(0xffffffffu, r0[e], 4 * k + q);
+      if (k < 7) rk1[e] = __shfl_sync(0xffffffffu, r1[e], 4 * k + q);
     }
-    x[i] = i == c ? 1.f : (i > c ? -(s0 + s1) : 0.f);
-  }
-  if (lane < 16) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) sm.tf[16 * w + i][16 * w + c] = x[i];
+    for (int e = 0; e < 2; ++e) {
+      x[e] = fmaf(c[k], rk0[e], x[e]);
+      if (k < 7) {
+        r0[e] = fmaf(-b0[k], rk0[e], r0[e]);
+        r1[e] = fmaf(-b1[k], rk1[e], r1[e]);
+      }
+    }
   }
+  float y[2] = {0.f, 0.f};  // R1 X
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float r1gk = __shfl_sync(0xffffffffu, r1[k & 1], 4 * g + (k >> 1));
+#pragma unroll
+    for (int e = 0; e < 2; ++e) y[e] = fmaf(r1gk, __shfl_sync(0xffffffffu, x[e], 4 * k + q), y[e]);
+  }
+  float* t0 = &sm.tf[16 * w + g][16 * w + 2 * q];
+  float* t1 = &sm.tf[16 * w + g + 8][16 * w + 2 * q];
+  *reinterpret_cast<float2*>(t0) = make_float2(r0[0], r0[1]);
+  *reinterpret_cast<float2*>(t0 + 8) = make_float2(0.f, 0.f);
+  *reinterpret_cast<float2*>(t1) = make_float2(-y[0], -y[1]);
+  *reinterpret_cast<float2*>(t1 + 8) = make_float2(r1[0], r1[1]);
 }
 
 // Step 2 for w in {1, 3}.

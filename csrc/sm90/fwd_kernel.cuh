@@ -53,13 +53,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     setmaxnreg_dec<Tr::kProducerRegs>();
     const WorkItem w = fwd_work_item(p);
     if (!w.active) return;  // a surplus CTA of a CP grid: every role returns alike
+    // Warp w of every warpgroup issues from scheduler w % 4. The norm warps issue for thousands
+    // of cycles a chunk, so they take warps 0-1, beside the chunk-local warpgroup's light warps
+    // (rows 0-31); its warps 2-3 (rows 32-63: 3-4x the gating, every merge) share their
+    // schedulers with the mostly idle TMA and gate warps (bench/NOTES.md).
     const int warp = tid >> 5;
-    if (warp == 0) {
+    if (warp < 2) {
+      fwd_row_norms<Tr>(p, sm, w, warp, tid & 31);
+    } else if (warp == 2) {
       if ((tid & 31) == 0) fwd_load_tiles<Tr>(p, sm, w);
-    } else if (warp == 1) {
-      fwd_load_gates<Tr>(p, sm, w, tid & 31);
     } else {
-      fwd_row_norms<Tr>(p, sm, w, warp - 2, tid & 31);
+      fwd_load_gates<Tr>(p, sm, w, tid & 31);
     }
   } else if (wg == 1) {
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();

@@ -1,10 +1,10 @@
 // Producer role of the Hopper forward (warpgroup 0): fills the input ring, chunk by chunk.
-//   warp 0 (one lane): TMA loads of the Q, K, V tiles, announced on in_full with their bytes;
-//   warp 1: the per-token gate inputs g and beta of the chunk (strided, 4 or 2 bytes a token:
+//   warp 2 (one lane): TMA loads of the Q, K, V tiles, announced on in_full with their bytes;
+//   warp 3: the per-token gate inputs g and beta of the chunk (strided, 4 or 2 bytes a token:
 //           too narrow for TMA), the in-kernel gate, the floor and the in-chunk cumulative sum;
 //           32 arrivals on in_ready;
-//   warps 2-3: the rows' norms (fwd_row_norms.cuh), 64 arrivals on in_ready.
-// Warps 0 and 1 wait for in_empty of the stage before overwriting it.
+//   warps 0-1: the rows' norms (fwd_row_norms.cuh), 64 arrivals on in_ready.
+// Warps 2 and 3 wait for in_empty of the stage before overwriting it.
 #pragma once
 
 #include "common/numerics.h"

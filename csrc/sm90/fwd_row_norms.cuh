@@ -1,5 +1,5 @@
-// Row-norm role of the Hopper forward (warps 2-3 of the producer warpgroup). Once a chunk's
-// tiles have landed (in_full), warp 2 takes the chunk's q rows, warp 3 its k rows:
+// Row-norm role of the Hopper forward (warps 0-1 of the producer warpgroup). Once a chunk's
+// tiles have landed (in_full), warp 0 takes the chunk's q rows, warp 1 its k rows:
 //   rows past the chunk's end: zeroed, so that a partial chunk never multiplies another
 //                              sequence's tokens (0 x inf would be NaN); factor 0;
 //   l2norm:                    f = 1 / sqrt(|x|^2 + 1e-6), applied later as diagonal factors,

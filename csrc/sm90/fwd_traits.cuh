@@ -23,9 +23,9 @@ struct FwdTraits {
   static_assert(kD == 64 || kD == 128, "head dims K = V in {64, 128}");
 
   // Warp roles, one warpgroup (128 threads) each:
-  //   WG 0      producer: warp 0 issues the TMA tile loads, warp 1 loads the gate inputs and
-  //             forms the cumulative gate, warps 2-3 the rows' L2 norms (and zero rows past
-  //             a partial chunk)
+  //   WG 0      producer: warps 0-1 the rows' L2 norms (and zero rows past a partial chunk),
+  //             warp 2 issues the TMA tile loads, warp 3 loads the gate inputs and forms the
+  //             cumulative gate
   //   WG 1      chunk-local: K K^T, Q K^T, A, P, T = (I + A)^-1; runs ahead of the state
   //   WG 2 ..   state: each owns 64 rows (value columns) of the transposed state S^T
   static constexpr int kStateWGs = kD / 64;
