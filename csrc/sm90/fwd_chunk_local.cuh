@@ -4,19 +4,20 @@
 //
 //   A     = strict_lower(diag(beta fk) K K^T diag(fk) (.) D),  D_ij = exp(c_i - c_j)
 //   P     = scale lower(diag(fq) Q K^T diag(fk) (.) D)
-//   T     = (I + A)^-1                                         (fwd_inverse.cuh)
+//   T_LL, T_HH: the diagonal 32 x 32 blocks of T = (I + A)^-1    (fwd_inverse.cuh)
+//   -A_HL: the lower left 32 x 32 block of A, in T_HL's place: the state forms Vn = T Y by
+//          halves, Vn_H = T_HH (Y_H - A_HL Vn_L) (fwd_state.cuh), so T_HL is never needed
 //   per-token factors ykf, yb, of, vd and the chunk decay exp(c_C) (fwd_smem.cuh)
 //
 // A and P are gated in the grams' accumulator registers (gate_products). Per chunk:
 //
-//   K K^T, Q K^T (wgmma); P to the local stage, A left of the diagonal blocks to af; every
-//   warp w: T_ww from its diagonal block in registers
-//   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors,
-//   warp 0: T rows 0-15 out   -- barrier --  warps 2, 3: X_2, X_3   -- barrier --  warps 2, 3:
-//   T_2L, T_3L, T rows out | warp 1: T rows 16-31 out
+//   K K^T, Q K^T (wgmma); P and -A_HL to the local stage, A_10 and A_32 to af; every warp w:
+//   T_ww from its diagonal block in registers
+//   -- barrier --  warps 1, 3: T_w,w-1 | warps 0, 2: factors;  every warp: its T rows out
 //
-// T and P go to the local ring in the operand type (hi, and lo when split) for the state
-// warpgroups' wgmmas.
+// The T tile and P go to the local ring in the operand type (hi, and lo when split) for the
+// state warpgroups' wgmmas. (The 32 -> 64 merge T_HL = -T_HH A_HL T_LL here took two more
+// products, two barriers and ~3000 cycles of this role's ~8900 a chunk: bench/NOTES.md.)
 #pragma once
 
 #include "cuda/device_utils.cuh"
@@ -55,9 +56,11 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
 //   A_ij = beta_i fk_i (K K^T)_ij s_ij   (j < i)  -> sm.af in fp32, for the inverse
 //   P_ij = scale fq_i (Q K^T)_ij s_ij    (j <= i) -> the local stage in the operand type
 // zero for rows past the chunk (selected, not multiplied: s_ij may be inf above the diagonal).
-// Only the blocks jj <= 2 w + 1 reach the diagonal of warp w's rows: the inverse never reads A
-// right of its diagonal block, and P's blocks further right stay zero from the stage's first
-// fill. Warp 3 thus does 4x warp 0's elements; in registers that is a few hundred cycles (the
+// Only the blocks jj <= 2 w + 1 reach the diagonal of warp w's rows: nothing reads A right of
+// its diagonal block, and P's blocks further right stay zero from the stage's first fill. Of A,
+// the diagonal block stays in registers (step 1 of the inverse), A_HL (warps 2-3, jj < 4) goes
+// negated to the local stage's T tile, and A_10, A_32 (left of the diagonal blocks of warps 1
+// and 3) to sm.af for step 2. Warp 3 thus does 4x warp 0's elements; in registers that is a few hundred cycles (the
 // balanced form through shared memory took ~3600 a chunk: bench/NOTES.md).
 template <class Tr, class Stage, class Local>
 __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& sm, const Stage& in,
@@ -88,9 +91,15 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
       const float a1 = j0 + 1 < i ? ra[h] * kk[idx + 1] * s1 : 0.f;
       const float p0 = j0 <= i ? rp[h] * qk[idx] * s0 : 0.f;
       const float p1 = j0 + 1 <= i ? rp[h] * qk[idx + 1] * s1 : 0.f;
-      // The diagonal block stays in registers for the inverse's first step; sm.af keeps the
-      // blocks left of it, which only this warp reads.
-      if (jj < 2 * warp) *reinterpret_cast<float2*>(&sm.af[i][j0]) = make_float2(a0, a1);
+      const uint32_t off = tile_offset(i, j0);
+      if (warp >= 2 && jj < 4) {
+        uint32_t hi, lo;
+        split_pair<Tin, Tr::kSplitLocal>(-a0, -a1, hi, lo);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.t[0][0][0]) + off) = hi;
+        if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.t[1][0][0]) + off) = lo;
+      } else if (jj < 2 * warp) {
+        *reinterpret_cast<float2*>(&sm.af[i][j0]) = make_float2(a0, a1);
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)  // (constant register indices: no local-memory array)
         if (jj == 2 * warp + nt) {
@@ -99,22 +108,23 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
         }
       uint32_t hi, lo;
       split_pair<Tin, Tr::kSplitLocal>(p0, p1, hi, lo);
-      const uint32_t off = tile_offset(i, j0);
       *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[0][0][0]) + off) = hi;
       if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[1][0][0]) + off) = lo;
     }
   }
 }
 
-// Rows 16 w .. 16 w + 15 of T (fp32, finished) to the local stage in the operand type: lane ->
-// row 16 w + lane / 2, its 16-byte chunks of parity lane % 2; zeros right of the block diagonal
-// (tf holds other data there).
+// Rows 16 w .. 16 w + 15 of the T tile to the local stage in the operand type, from tf (fp32):
+// lane -> row 16 w + lane / 2, its 16-byte chunks of parity lane % 2; zeros right of the block
+// diagonal (tf holds other data there). Rows 32-63 (w >= 2) only from column 32 on: left of it
+// is -A_HL, written by gate_products.
 template <class Tr, class Smem, class Local>
 __device__ __forceinline__ void store_t_rows(const Smem& sm, Local& loc, int warp, int lane) {
   using Tin = typename Tr::Tin;
   const int row = 16 * warp + (lane >> 1);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
+    if (warp >= 2 && k < 2) continue;  // warp-uniform
     const int ch = 2 * k + (lane & 1);
     const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
     const float4 a = k <= warp ? *reinterpret_cast<const float4*>(&sm.tf[row][8 * ch]) : z;
@@ -184,23 +194,14 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     }
     named_barrier_sync(kBar, 128);  // every T_ww; A's blocks left of the diagonal
 
+    // Each warp's T rows need only its own results from here on: no further barrier.
     if (warp & 1) {
       merge_block_pair<Tr::kSplitLocal>(sm, warp, lane);
+      __syncwarp();
     } else {
       token_factors(p, in, loc, len, warp >> 1, lane);
-      if (warp == 0) store_t_rows<Tr>(sm, loc, 0, lane);
     }
-    named_barrier_sync(kBar, 128);  // T_LL and T_32
-
-    if (warp >= 2) merge_halves_x<Tr::kSplitLocal>(sm, warp, lane);
-    named_barrier_sync(kBar, 128);  // X_2, X_3
-    if (warp >= 2) {
-      merge_halves_t<Tr::kSplitLocal>(sm, warp, lane);
-      __syncwarp();
-      store_t_rows<Tr>(sm, loc, warp, lane);
-    } else if (warp == 1) {
-      store_t_rows<Tr>(sm, loc, 1, lane);
-    }
+    store_t_rows<Tr>(sm, loc, warp, lane);
 
     fence_proxy_async();
     sm.local_full[ploc.stage].arrive();

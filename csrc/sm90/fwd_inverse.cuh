@@ -1,18 +1,15 @@
-// T = (I + A)^-1 for the chunk's strictly lower 64 x 64 fp32 A (its 16 x 16 diagonal blocks in
-// registers, the blocks left of them in sm.af), into sm.tf, by the
-// chunk-local warpgroup: warp w owns block row w (rows 16 w .. 16 w + 15) and writes only its
-// own rows of T. In 16 x 16 blocks (L = blocks 0-1, H = blocks 2-3 of the 32 x 32 halves):
+// The diagonal 32 x 32 blocks T_LL, T_HH of T = (I + A)^-1 for the chunk's strictly lower
+// 64 x 64 fp32 A, into sm.tf, by the chunk-local warpgroup: warp w owns block row w (rows 16 w ..
+// 16 w + 15) and writes only its own rows of T. In 16 x 16 blocks:
 //
 //   1. every warp:     T_ww = (I + A_ww)^-1                forward substitution in registers, fp32
-//   2. warps 1 and 3:  T_w,w-1 = -T_ww (A_w,w-1 T_w-1,w-1)  16 x 16 products
-//   3. warps 2 and 3:  T_wL = -T_wH (A_HL T_LL)             X_w = A_wL T_LL (16 x 32), then
-//                      T_2L = -T_22 X_2, T_3L = -(T_32 X_2 + T_33 X_3)
+//   2. warps 1 and 3:  T_w,w-1 = -T_ww (A_w,w-1 T_w-1,w-1)  16 x 16 products (A_10, A_32 in sm.af)
 //
-// (the block forms of T = (I + A)^-1 for A block lower: T_10 = -T_11 A_10 T_00.) Steps 2 and 3 run
-// on the tensor cores (mma_tf32.cuh, 1 or 3 TF32 products by precision); the caller separates the
-// steps with barriers of the warpgroup. Intermediate products X go to A's upper triangle, which
-// is never read as A: step 2 at rows of block w - 1, columns of block w; step 3 at rows 0..31,
-// columns 32..63 (X_2 above X_3).
+// (the block form of T = (I + A)^-1 for A block lower: T_10 = -T_11 A_10 T_00.) The lower left
+// block T_HL is never formed: the state applies it as Vn_H = T_HH (Y_H - A_HL Vn_L)
+// (fwd_state.cuh). Step 2 runs on the tensor cores (mma_tf32.cuh, 1 or 3 TF32 products by
+// precision); the caller separates the steps with a barrier of the warpgroup. Its intermediate
+// product goes to A's upper triangle (rows of block w - 1, columns of block w), never read as A.
 #pragma once
 
 #include "sm90/fwd_smem.cuh"
@@ -96,23 +93,6 @@ __device__ __forceinline__ void merge_block_pair(Smem& sm, int w, int lane) {
   float y[2][4] = {};
   mma_tf32_tiles<kLdF, 2, 2, kNotLower, kSplit>(y, &sm.tf[r1][r1], &sm.af[r0][r1], lane);
   store_tf32_tiles<kLdF>(&sm.tf[r1][r0], y, -1.f, lane);
-}
-
-// Step 3 for w in {2, 3}, in two parts with a barrier of the warpgroup between them (part t reads
-// both X_2 and X_3). (Splitting it over all four warps in column halves measured 13% slower:
-// bench/NOTES.md.)
-template <bool kSplit, class Smem>
-__device__ __forceinline__ void merge_halves_x(Smem& sm, int w, int lane) {
-  float x[4][4] = {};
-  mma_tf32_tiles<kLdF, 4, 4, 0, kSplit>(x, &sm.af[16 * w][0], &sm.tf[0][0], lane);
-  store_tf32_tiles<kLdF>(&sm.af[16 * w - 32][32], x, 1.f, lane);
-}
-template <bool kSplit, class Smem>
-__device__ __forceinline__ void merge_halves_t(Smem& sm, int w, int lane) {
-  float y[4][4] = {};
-  if (w == 2) mma_tf32_tiles<kLdF, 2, 4, kNotLower, kSplit>(y, &sm.tf[32][32], &sm.af[0][32], lane);
-  else mma_tf32_tiles<kLdF, 4, 4, kNotLower, kSplit>(y, &sm.tf[48][32], &sm.af[0][32], lane);
-  store_tf32_tiles<kLdF>(&sm.tf[16 * w][0], y, -1.f, lane);
 }
 
 }  // namespace flashgdn::sm90

@@ -32,7 +32,8 @@ struct FwdSmem {
 
   // One chunk's local results, written by the chunk-local role for the state warpgroups.
   struct alignas(1024) LocalStage {
-    Tin t[Tr::kLocalParts][64][64];  // T = (I + A)^-1, [i][j] (hi, lo)
+    Tin t[Tr::kLocalParts][64][64];  // T_LL, T_HH of T = (I + A)^-1 and -A_HL in T_HL's place,
+                                     // [i][j] (hi, lo): fwd_chunk_local.cuh
     Tin p[Tr::kLocalParts][64][64];  // P = scale lower(Q K^T (.) D) with the norm factors, [i][j]
     // Per-token factors (zero for tokens past the chunk):
     float ykf[64];  // exp(c_t) fk_t          : Y = beta (V - ykf (.) K S)
@@ -46,8 +47,8 @@ struct FwdSmem {
   LocalStage local[Tr::kLocalStages];
 
   // Chunk-local role's private work space (fwd_inverse.cuh).
-  alignas(16) float af[64][68];  // A (strictly lower); its upper triangle holds the inverse's
-                                 // intermediate products
+  alignas(16) float af[64][68];  // A_10, A_32 (left of the diagonal blocks of warps 1, 3); the
+                                 // upper triangle holds the inverse's intermediate products
   alignas(16) float tf[64][68];  // T in fp32 while it is built
 
   // in_full: the TMA tiles landed; in_ready: gates and norms written too (rows zeroed/rescaled).

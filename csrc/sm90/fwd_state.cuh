@@ -7,7 +7,8 @@
 //
 //   [O1 | X]^T = S^T [Q; K]^T                       (one 64 x 128 product: Q S and K S)
 //   Y^T  = yb (.) (V^T - ykf (.) X^T)               (per-token factors along the columns)
-//   Vn^T = Y^T T^T                                  (Vn = T diag(beta)(V - diag(e^c fk) K S))
+//   Vn = T Y, by halves of the chunk (L = tokens 0-31, H = 32-63; fwd_chunk_local.cuh):
+//     Vn_L^T = Y_L^T T_LL^T,  Y_H^T += Vn_L^T (-A_HL)^T,  Vn_H^T = Y_H^T T_HH^T
 //   S^T <- decay S^T + (vd (.) Vn^T) K              (B = the K tile read MN-major)
 //   O^T  = of (.) O1^T + Vn^T P^T                   -> o
 #pragma once
@@ -146,25 +147,39 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
       }
     }
 
-    // ---- Vn^T = Y^T T^T --------------------------------------------------------------------
+    // ---- Vn = T Y by halves: T = [T_LL 0; T_HL T_HH] with T_HL = -T_HH A_HL T_LL, so
+    //   Vn_L = T_LL Y_L,  Vn_H = T_HH (Y_H - A_HL Vn_L)
+    // The local stage's T tile holds T_LL, T_HH and, in T_HL's place, -A_HL. Each step is a
+    // 64 x 32 x 32 product per warpgroup (K-steps of 16 tokens; rows 32-63 of the tile start
+    // 4096 bytes in); Y_H is updated in Y's own accumulator registers (xk[16..31]). ---------
     float vn[32] = {};
     {
-      uint32_t ya[4][4], yl[4][4];
+      float(&vn_l)[16] = *reinterpret_cast<float(*)[16]>(&vn[0]);
+      float(&vn_h)[16] = *reinterpret_cast<float(*)[16]>(&vn[16]);
+      float(&y_h)[16] = *reinterpret_cast<float(*)[16]>(&xk[16]);
+      const uint32_t t_hi = smem_addr(&loc.t[0][0][0]), t_lo = smem_addr(&loc.t[kSL ? 1 : 0][0][0]);
+      // d (+)= frag(x, k-steps s0, s0 + 1) * tile rows [row0, row0 + 32), k-steps s0, s0 + 1
+      auto half_product = [&](float(&d)[16], const float* x, int s0, uint32_t row0_bytes, bool acc) {
+        wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) to_fragments<Tin, kSL>(xk, s, nullptr, ya[s], yl[s]);
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint64_t dt = desc_k_major(smem_addr(&loc.t[0][0][0]) + s * 32);
-        wgmma_rs_n64<Tin, 0>(vn, ya[s], dt, s > 0);
-        if constexpr (kSL) {
-          wgmma_rs_n64<Tin, 0>(vn, yl[s], dt, 1);
-          wgmma_rs_n64<Tin, 0>(vn, ya[s], desc_k_major(smem_addr(&loc.t[kSL ? 1 : 0][0][0]) + s * 32), 1);
+        for (int u = 0; u < 2; ++u) {
+          const int s = s0 + u;
+          uint32_t a[4], al[4];
+          to_fragments<Tin, kSL>(x, s, nullptr, a, al);
+          const uint32_t off = row0_bytes + s * 32;
+          wgmma_rs_n32<Tin>(d, a, desc_k_major(t_hi + off), acc || u > 0);
+          if constexpr (kSL) {
+            wgmma_rs_n32<Tin>(d, al, desc_k_major(t_hi + off), 1);
+            wgmma_rs_n32<Tin>(d, a, desc_k_major(t_lo + off), 1);
+          }
         }
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(vn);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(d);
+      };
+      half_product(vn_l, xk, 0, 0, false);      // Vn_L^T = Y_L^T T_LL^T
+      half_product(y_h, vn, 0, 4096, true);     // Y_H^T += Vn_L^T (-A_HL)^T
+      half_product(vn_h, xk, 2, 4096, false);   // Vn_H^T = Y_H^T T_HH^T
     }
 
     // ---- S^T <- decay S^T + (vd (.) Vn^T) K;  O^T = O1^T + Vn^T P^T -----------------------

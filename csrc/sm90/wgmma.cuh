@@ -62,6 +62,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 }
 
 // ---- instructions ----------------------------------------------------------------------------
+#define FGDN_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FGDN_D32                                                                                  \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -103,6 +104,21 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)
 #undef FGDN_RS64
 }
 
+// RS: d[64 x 32] (+)= a (registers) * B (descriptor, K-major).
+template <typename T>
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#define FGDN_RS32(TY)                                                                        \
+  asm volatile(                                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                           \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " FGDN_D16                    \
+      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                        \
+      : FGDN_OUT8(d, 0), FGDN_OUT8(d, 8)                                                     \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
+  if constexpr (WgmmaType<T>::kBf16) FGDN_RS32("bf16");
+  else FGDN_RS32("f16");
+#undef FGDN_RS32
+}
+
 // RS: [d0 | d1] (64 x 128: columns 0..63 in d0, 64..127 in d1) (+)= a (registers) * B.
 template <typename T, int kTransB>
 __device__ __forceinline__ void wgmma_rs_n128(float (&d0)[32], float (&d1)[32], const uint32_t (&a)[4],
@@ -134,6 +150,7 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_
 #undef FGDN_SS64
 }
 
+#undef FGDN_D16
 #undef FGDN_D32
 #undef FGDN_D64
 #undef FGDN_OUT8
