@@ -53,15 +53,15 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
 // The gates and factors of A and P, straight from the grams' accumulators. Warp w holds rows
 // i in {16 w + g, 16 w + g + 8} (lane = 4 g + q) and, per column block jj, columns
 // j = 8 jj + 2 q + e; with s_ij = 2^(c2_i - c2_j) fk_j, shared by both products:
-//   A_ij = beta_i fk_i (K K^T)_ij s_ij   (j < i)  -> sm.af in fp32, for the inverse
+//   A_ij = beta_i fk_i (K K^T)_ij s_ij   (j < i)  -> by block, as below
 //   P_ij = scale fq_i (Q K^T)_ij s_ij    (j <= i) -> the local stage in the operand type
 // zero for rows past the chunk (selected, not multiplied: s_ij may be inf above the diagonal).
 // Only the blocks jj <= 2 w + 1 reach the diagonal of warp w's rows: nothing reads A right of
 // its diagonal block, and P's blocks further right stay zero from the stage's first fill. Of A,
 // the diagonal block stays in registers (step 1 of the inverse), A_HL (warps 2-3, jj < 4) goes
 // negated to the local stage's T tile, and A_10, A_32 (left of the diagonal blocks of warps 1
-// and 3) to sm.af for step 2. Warp 3 thus does 4x warp 0's elements; in registers that is a few hundred cycles (the
-// balanced form through shared memory took ~3600 a chunk: bench/NOTES.md).
+// and 3) to sm.af for step 2. Warp 3 thus does 4x warp 0's elements (the timeline, bench/NOTES.md:
+// warp 0 gates in ~1000-1700 cycles, warp 3 ends ~300-1300 later).
 template <class Tr, class Stage, class Local>
 __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& sm, const Stage& in,
                                               Local& loc, const float (&kk)[32], const float (&qk)[32],

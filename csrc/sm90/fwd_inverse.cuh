@@ -32,8 +32,9 @@ constexpr int kLdF = 68;  // row stride of the fp32 tiles af / tf (floats)
 // Lane (g, q) holds R_b[g][2 q .. 2 q + 1]; row k reaches the other rows by shuffles, and the
 // coefficients B_b[g][k], C[g][k] are gathered before the chain. The chain is 8 shuffle + FMA
 // steps (R0 and R1 together, X = C R0 accumulated along), then one round for R1 X: no shared
-// memory until T_ww is stored. (Column by column from A in shared memory, 16 dependent steps of
-// loads, this step took ~2800 cycles of the chunk: bench/NOTES.md.)
+// memory until T_ww is stored. (The earlier form, column by column from A in shared memory, was
+// 16 dependent steps of loads; the undisturbed timeline puts this one at ~1100-1450 cycles, its
+// shuffles waiting behind the other roles' shared-memory traffic: bench/NOTES.md.)
 template <class Smem>
 __device__ __forceinline__ void invert_diagonal_block(Smem& sm, const float (&a)[2][2][2], int w, int lane) {
   const int g = lane >> 2, q = lane & 3;
