@@ -115,17 +115,20 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
 }
 
 // Rows 16 w .. 16 w + 15 of the T tile to the local stage in the operand type, from tf (fp32):
-// lane -> row 16 w + lane / 2, its 16-byte chunks of parity lane % 2; zeros right of the block
+// lane -> row 16 w + lane % 16, its 16-byte chunks 2 k + lane / 16; zeros right of the block
 // diagonal (tf holds other data there). Rows 32-63 (w >= 2) only from column 32 on: left of it
-// is -A_HL, written by gate_products.
+// is -A_HL, written by gate_products. A 16-byte access is served 8 lanes at a time: 8
+// consecutive rows at one chunk index meet no bank conflict, neither in tf (row stride 68
+// floats) nor in the swizzled tile. (Lane pairs on one row, the earlier mapping, put rows r and
+// r ^ 1 on the same banks: 2-way conflicts on both sides, measured by Nsight Compute.)
 template <class Tr, class Smem, class Local>
 __device__ __forceinline__ void store_t_rows(const Smem& sm, Local& loc, int warp, int lane) {
   using Tin = typename Tr::Tin;
-  const int row = 16 * warp + (lane >> 1);
+  const int row = 16 * warp + (lane & 15);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     if (warp >= 2 && k < 2) continue;  // warp-uniform
-    const int ch = 2 * k + (lane & 1);
+    const int ch = 2 * k + (lane >> 4);
     const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
     const float4 a = k <= warp ? *reinterpret_cast<const float4*>(&sm.tf[row][8 * ch]) : z;
     const float4 b = k <= warp ? *reinterpret_cast<const float4*>(&sm.tf[row][8 * ch + 4]) : z;

@@ -90,7 +90,7 @@ __device__ __forceinline__ void store_output(const FwdParams& p, typename Tr::Ti
   for (int u = 0; u < 4; ++u) {
     const int idx = tid + 128 * u, t = idx >> 3, ch = idx & 7;
     if (t < len) {
-      *reinterpret_cast<uint4*>(dst + (t_chunk + t) * p.os1 + 8 * ch) = ld_shared_v4(base + swizzle128(t, ch));
+      st_global_v4(dst + (t_chunk + t) * p.os1 + 8 * ch, ld_shared_v4(base + swizzle128(t, ch)));
     }
   }
 }

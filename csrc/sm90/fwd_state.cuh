@@ -59,7 +59,6 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   using Tin = typename Tr::Tin;
   constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
   constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
-  const int warp = tid >> 5, lane = tid & 31, q4 = lane & 3;
 
   // ---- initial state ---------------------------------------------------------------------
   int64_t h0_row = -1;
@@ -87,6 +86,12 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     auto& in = sm.in[pin.stage];
     auto& loc = sm.local[ploc.stage];
     const int len = w.chunk_len(j);
+    // The thread index anew each chunk (opaque to the compiler), as in the chunk-local role:
+    // the lane-derived addresses are recomputed in the loop, not held across it (at 192
+    // registers four of them were spilled, and their reloads missed L1: bench/NOTES.md).
+    int tid_j = tid;
+    asm volatile("" : "+r"(tid_j));
+    const int warp = tid_j >> 5, lane = tid_j & 31, q4 = lane & 3;
     sm.in_full[pin.stage].wait(pin.phase);
     sm.local_full[ploc.stage].wait(ploc.phase);
 
@@ -225,13 +230,13 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     // warm-up chunk (before out_chunk0) writes neither o nor checkpoints.
     sm.local_empty[ploc.stage].arrive();
     const bool owned = j >= w.out_chunk0;
-    if (p.o != nullptr && owned) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid);
+    if (p.o != nullptr && owned) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid_j);
     fence_proxy_async();
     sm.in_empty[pin.stage].arrive();
     if (p.ckpt.data != nullptr && owned && len == 64) {
       const int64_t done = 64 * static_cast<int64_t>(w.seq_chunk0 + j + 1);
       if (done % p.every == 0)
-        store_state(S, p.ckpt, ck_base + done / p.every - 1, w.h, p.v_first, sw, tid);
+        store_state(S, p.ckpt, ck_base + done / p.every - 1, w.h, p.v_first, sw, tid_j);
     }
   }
 

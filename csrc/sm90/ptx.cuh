@@ -21,6 +21,14 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+// 16 bytes to global memory in one instruction. (A plain uint4 store through a pointer derived
+// from a 16-bit element pointer compiled to four 4-byte stores: four times the LSU requests,
+// measured by Nsight Compute, bench/NOTES.md.) `dst` must be 16-byte aligned.
+__device__ __forceinline__ void st_global_v4(void* dst, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // ---- mbarrier ------------------------------------------------------------------------------
 // A 64-bit barrier in shared memory that completes a phase when `count` arrivals (and, with
 // expect_tx, that many bytes of TMA traffic) have been seen. Waiters poll a phase parity.
