@@ -52,7 +52,8 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
 
 // The gates and factors of A and P, straight from the grams' accumulators. Warp w holds rows
 // i in {16 w + g, 16 w + g + 8} (lane = 4 g + q) and, per column block jj, columns
-// j = 8 jj + 2 q + e; with s_ij = 2^(c2_i - c2_j) fk_j, shared by both products:
+// j = 8 jj + 2 q + e; with s_ij = 2^(c2_i - u_j) = 2^(c2_i - c2_j) fk_j (u: fwd_smem.cuh), shared
+// by both products:
 //   A_ij = beta_i fk_i (K K^T)_ij s_ij   (j < i)  -> by block, as below
 //   P_ij = scale fq_i (Q K^T)_ij s_ij    (j <= i) -> the local stage in the operand type
 // zero for rows past the chunk (selected, not multiplied: s_ij may be inf above the diagonal).
@@ -68,6 +69,18 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
                                               float (&diag)[2][2][2], int len, int warp, int lane) {
   using Tin = typename Tr::Tin;
   const int g8 = lane >> 2, q4 = lane & 3;
+  // The column values two blocks ahead of their use: the loads of blocks jj + 2, jj + 3 (issued
+  // at jj = 0, 2, 4 by every warp that gets there) overlap the gating of blocks jj, jj + 1, so a
+  // warp waits for about one round trip through the loaded shared-memory pipe (~300-500 cycles)
+  // instead of one per column block (c2 and fk, loaded block by block, cost warp 3 eight). All
+  // eight up front did not fit in the role's registers.
+  float2 uj[8];
+  auto load_u = [&](int jj0) {
+#pragma unroll
+    for (int jj = jj0; jj < jj0 + 2; ++jj) uj[jj] = *reinterpret_cast<const float2*>(&in.u[8 * jj + 2 * q4]);
+  };
+  load_u(0);
+  load_u(2);
   float ci[2], ra[2], rp[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -80,13 +93,12 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
     if (jj > 2 * warp + 1) break;  // warp-uniform
+    if (jj == 2 || jj == 4) load_u(jj + 2);
     const int j0 = 8 * jj + 2 * q4;
-    const float2 cj = *reinterpret_cast<const float2*>(&in.c2[j0]);
-    const float2 fj = *reinterpret_cast<const float2*>(&in.fk[j0]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = 16 * warp + g8 + 8 * h, idx = 4 * jj + 2 * h;
-      const float s0 = exp2_approx(ci[h] - cj.x) * fj.x, s1 = exp2_approx(ci[h] - cj.y) * fj.y;
+      const float s0 = exp2_approx(ci[h] - uj[jj].x), s1 = exp2_approx(ci[h] - uj[jj].y);
       const float a0 = j0 < i ? ra[h] * kk[idx] * s0 : 0.f;
       const float a1 = j0 + 1 < i ? ra[h] * kk[idx + 1] * s1 : 0.f;
       const float p0 = j0 <= i ? rp[h] * qk[idx] * s0 : 0.f;

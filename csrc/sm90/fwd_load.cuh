@@ -2,7 +2,8 @@
 //   warp 2 (one lane): TMA loads of the Q, K, V tiles, announced on in_full with their bytes;
 //   warp 3: the per-token gate inputs g and beta of the chunk (strided, 4 or 2 bytes a token:
 //           too narrow for TMA), the in-kernel gate, the floor and the in-chunk cumulative sum;
-//           32 arrivals on in_ready;
+//           then, meeting the k-norm warp on the kGateNorm barrier, the column exponents
+//           u_t = c2_t - log2(fk_t); 32 arrivals on in_ready;
 //   warps 0-1: the rows' norms (fwd_row_norms.cuh), 64 arrivals on in_ready.
 // Warps 2 and 3 wait for in_empty of the stage before overwriting it.
 #pragma once
@@ -88,6 +89,15 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
     auto& st = sm.in[pos.stage];
     *reinterpret_cast<float2*>(&st.c2[2 * lane]) = make_float2(c0 * kLog2e, (c0 + g[1]) * kLog2e);
     *reinterpret_cast<float2*>(&st.beta[2 * lane]) = make_float2(b[0], b[1]);
+    // u_t = c2_t - log2(fk_t): one value a column for the chunk-local role's gating, which
+    // loads its columns' values two blocks ahead instead of c2 and fk block by block (each load
+    // a round trip through the loaded shared-memory pipe: bench/NOTES.md). Both warps sync on
+    // the barrier once a chunk, so neither runs a phase ahead. (log2f: exact to an ulp;
+    // fk = 0 past the chunk gives u = +inf and a factor 2^-inf = 0.)
+    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), 64);
+    const float2 fk = *reinterpret_cast<const float2*>(&st.fk[2 * lane]);
+    *reinterpret_cast<float2*>(&st.u[2 * lane]) =
+        make_float2(c0 * kLog2e - log2f(fk.x), (c0 + g[1]) * kLog2e - log2f(fk.y));
     sm.in_ready[pos.stage].arrive();
   }
 }

@@ -28,6 +28,8 @@ struct FwdSmem {
     float beta[64];
     float fq[64];    // factor of the stored q row: 1 / sqrt(|q|^2 + 1e-6) with l2norm, else 1
     float fk[64];    // same for k
+    float u[64];     // column exponent of key t: c2_t - log2(fk_t) (+inf where fk_t = 0), so
+                     // that the gate-and-factor of (K K^T)_it and (Q K^T)_it is 2^(c2_i - u_t)
   };
 
   // One chunk's local results, written by the chunk-local role for the state warpgroups.

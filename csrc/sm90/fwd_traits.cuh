@@ -25,7 +25,7 @@ struct FwdTraits {
   // Warp roles, one warpgroup (128 threads) each:
   //   WG 0      producer: warps 0-1 the rows' L2 norms (and zero rows past a partial chunk),
   //             warp 2 issues the TMA tile loads, warp 3 loads the gate inputs and forms the
-  //             cumulative gate
+  //             cumulative gate and, once the k norms are in, each key's column exponent
   //   WG 1      chunk-local: K K^T, Q K^T, A, P, T = (I + A)^-1; runs ahead of the state
   //   WG 2 ..   state: each owns 64 rows (value columns) of the transposed state S^T
   static constexpr int kStateWGs = kD / 64;
@@ -44,12 +44,14 @@ struct FwdTraits {
 
   // Registers per thread by role (setmaxnreg). The CTA starts with 65536 / kThreads registers a
   // thread (128 at D = 128, 168 at D = 64) and the budgets must add up to no more than that, or
-  // setmaxnreg.inc waits forever: 32 + 96 + 2 x 192 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
+  // setmaxnreg.inc waits forever: 24 + 104 + 2 x 192 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
   // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
   // fragments (D/4); the chunk-local one both grams' 64 x 64 accumulators while it gates them
-  // (64), then small tiles of the inverse. (At 80 / 200 the local role spilled 128 B at D = 128.)
-  static constexpr uint32_t kProducerRegs = 32;
-  static constexpr uint32_t kLocalRegs = kD == 128 ? 96 : 232;
+  // (64) with the column values in flight, then small tiles of the inverse. (At 80 / 200 the
+  // local role spilled 128 B at D = 128; at 96 with the column values two blocks ahead, 16 B.)
+  // The producer's warps hold a 16-byte load or two and a sum: 24 is the hardware's minimum.
+  static constexpr uint32_t kProducerRegs = kD == 128 ? 24 : 32;
+  static constexpr uint32_t kLocalRegs = kD == 128 ? 104 : 232;
   static constexpr uint32_t kStateRegs = kD == 128 ? 192 : 240;
   static constexpr uint32_t kEntryRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs + kLocalRegs + kStateWGs * kStateRegs <= kEntryRegs * (2 + kStateWGs),
@@ -62,7 +64,8 @@ struct FwdTraits {
 // Named barrier ids (0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
   kChunkLocal = 1,  // the chunk-local warpgroup's phases
-  kStateBase = 2,   // + state warpgroup index: its output staging
+  kGateNorm = 2,    // the producer's gate warp and k-norm warp: c2 and fk of a chunk written
+  kStateBase = 3,   // + state warpgroup index: its output staging
 };
 
 }  // namespace flashgdn::sm90
