@@ -199,10 +199,13 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
       float kk[32] = {}, qk[32] = {};
       gram_issue<Tr>(kk, in.qk, 64);
       gram_issue<Tr>(qk, in.qk, 0);
+      // The local stage is waited for while the grams run: the wait's own latency (~300-500
+      // cycles through the loaded shared-memory pipe, even when the stage was released long
+      // ago) leaves the chain (bench/NOTES.md).
+      sm.local_empty[ploc.stage].wait(ploc.phase ^ 1);
       wgmma_wait<0>();
       fence_regs(kk);
       fence_regs(qk);
-      sm.local_empty[ploc.stage].wait(ploc.phase ^ 1);
       float diag[2][2][2];
       gate_products<Tr>(p, sm, in, loc, kk, qk, diag, len, warp, lane);
       invert_diagonal_block(sm, diag, warp, lane);

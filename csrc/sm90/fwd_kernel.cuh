@@ -6,8 +6,8 @@
 //        +-------------in_empty-------------+------|----------------------------+
 //                                                  +---------local_empty--------+
 //
-// in_full   : 1 arrival with the TMA byte count (waited for by the norm warps and the state)
-// in_ready  : 32 (gate warp) + 64 (norm warps)
+// in_full   : 1 arrival with the TMA byte count (waited for by the norm warps)
+// in_ready  : 32 (gate warp) + 64 (norm warps) (waited for by the chunk-local role and the state)
 // in_empty  : 128 (chunk-local) + 128 per state warpgroup
 // local_full: 128 (chunk-local), local_empty: 128 per state warpgroup
 #pragma once

@@ -92,8 +92,10 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     int tid_j = tid;
     asm volatile("" : "+r"(tid_j));
     const int warp = tid_j >> 5, lane = tid_j & 31, q4 = lane & 3;
-    sm.in_full[pin.stage].wait(pin.phase);
-    sm.local_full[ploc.stage].wait(ploc.phase);
+    // [O1 | X] needs only the tiles as the norm warps leave them (rows past a partial chunk
+    // zeroed, huge rows rescaled: in_ready, not in_full) and S: it is issued before the wait for
+    // the chunk-local results, so that its ~1400 cycles overlap that wait instead of following it.
+    sm.in_ready[pin.stage].wait(pin.phase);
 
     // ---- [O1 | X]^T = S^T [Q; K]^T (a split state: the hi part's products, then the lo part's,
     // so that only one set of A fragments is live) ------------------------------------------
@@ -118,6 +120,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
         wgmma_rs_n128<Tin, 0>(o1, xk, sa[ks], d, part > 0 || ks > 0);
       }
       wgmma_commit();
+      if (part == (kSS ? 1 : 0)) sm.local_full[ploc.stage].wait(ploc.phase);
       wgmma_wait<0>();
       fence_regs(o1);
       fence_regs(xk);
