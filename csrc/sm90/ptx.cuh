@@ -114,14 +114,9 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 // ---- 8x8 matrix moves between shared memory and the mma fragment layout --------------------
-// Lane l supplies the row address of row l % 8 of matrix l / 8. With .trans, a thread receives
-// (stores) the transposed fragment: element (row 2 (lane % 4) + e, column lane / 4) of the
+// Lane l supplies the row address of row l % 8 of matrix l / 8. Transposed (.trans), a thread
+// receives (stores) the fragment: element (row 2 (lane % 4) + e, column lane / 4) of the
 // 8x8 matrix in memory.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

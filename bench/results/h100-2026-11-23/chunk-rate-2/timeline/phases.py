@@ -1,6 +1,9 @@
 import sys
-names={0:'P tma issue',1:'P gates written',2:'P in_full seen(q)',3:'P norms q done',28:'P norms k done',4:'L start',5:'L grams done',6:'L local_empty ok',29:'L gating done',7:'L w0 diag inv done',8:'L w3 diag inv done',9:'L w3 after bar1',10:'L w3 merge pair',11:'L w0 factors+T0',12:'L w3 after bar2',13:'L w3 halves_x',14:'L w3 after bar3',15:'L w3 halves_t',16:'L w3 T stored',17:'L w0 local_full',18:'L w3 local_full',19:'L w0 after end bar',20:'S in_full ok',21:'S local_full ok',26:'S1 local_full ok',22:'S QK done',23:'S Vn done',24:'S upd done',25:'S o stored',27:'S1 o stored'}
-for f in sys.argv[1:]:
+# --w3-gating: traces of 2026-11-24 on (../../../h100-2026-11-24/), where event 10 marks warp 3's
+# end of gating; before, it marked the end of its merge pair.
+w3_gating = '--w3-gating' in sys.argv
+names={0:'P tma issue',1:'P gates written',2:'P in_full seen(q)',3:'P norms q done',28:'P norms k done',4:'L start',5:'L grams done',6:'L local_empty ok',29:'L gating done',7:'L w0 diag inv done',8:'L w3 diag inv done',9:'L w3 after bar1',10:('L w3 gating done' if w3_gating else 'L w3 merge pair'),11:'L w0 factors+T0',12:'L w3 after bar2',13:'L w3 halves_x',14:'L w3 after bar3',15:'L w3 halves_t',16:'L w3 T stored',17:'L w0 local_full',18:'L w3 local_full',19:'L w0 after end bar',20:'S in_full ok',21:'S local_full ok',26:'S1 local_full ok',22:'S QK done',23:'S Vn done',24:'S upd done',25:'S o stored',27:'S1 o stored'}
+for f in [a for a in sys.argv[1:] if a != '--w3-gating']:
     rows=[list(map(int,l.split())) for l in open(f)]
     ev=lambda r,e: r[1+e]
     print(f)
