@@ -170,20 +170,25 @@ __device__ __forceinline__ void token_factors(const FwdParams& p, const Stage& i
   if (t == 0) loc.decay = exp2_approx(cl);
 }
 
+// P's column blocks right of a warp's diagonal block are never written: zeroed once in every
+// stage, before the CTA's first work item.
+template <class Tr>
+__device__ __forceinline__ void zero_local_p(FwdSmem<Tr>& sm, int tid) {
+  for (int s = 0; s < Tr::kLocalStages; ++s)
+    for (int i = tid; i < Tr::kLocalParts * 64 * 64 / 8; i += 128)
+      reinterpret_cast<uint4*>(&sm.local[s].p[0][0][0])[i] = make_uint4(0, 0, 0, 0);
+}
+
+// One work item's chunks; c0: the chunks the CTA walked before it (ring positions c0 + j).
 template <class Tr>
 __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>& sm,
-                                                const WorkItem& w, int tid_in) {
+                                                const WorkItem& w, int32_t c0, int tid_in) {
   using Tin = typename Tr::Tin;
   constexpr uint32_t kBar = static_cast<uint32_t>(FwdBarrier::kChunkLocal);
 
-  // P's column blocks right of a warp's diagonal block are never written: zero once in every stage.
-  for (int s = 0; s < Tr::kLocalStages; ++s)
-    for (int i = tid_in; i < Tr::kLocalParts * 64 * 64 / 8; i += 128)
-      reinterpret_cast<uint4*>(&sm.local[s].p[0][0][0])[i] = make_uint4(0, 0, 0, 0);
-
   for (int32_t j = 0; j < w.nchunks; ++j) {
-    const RingPos<Tr::kInStages> pin(j);
-    const RingPos<Tr::kLocalStages> ploc(j);
+    const RingPos<Tr::kInStages> pin(c0 + j);
+    const RingPos<Tr::kLocalStages> ploc(c0 + j);
     auto& in = sm.in[pin.stage];
     auto& loc = sm.local[ploc.stage];
     const int len = w.chunk_len(j);

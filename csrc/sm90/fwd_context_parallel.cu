@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();
   const int64_t L = chosen;
 
-  // Items go out longest first (phase 1's CTAs start in grid order, so a long chain placed last
-  // would run alone at the end): buckets of floor(log2(chunks)), longest bucket first. Within a
+  // Items go out longest first (the forward's persistent CTAs take the units in index order,
+  // fwd_scheduler.cuh, so a long chain placed last would run alone at the end): buckets of floor(log2(chunks)), longest bucket first. Within a
   // bucket the order is the atomics' and does not matter: an item's results do not depend on
   // the CTA that runs it.
   __shared__ int bucket_next[32];

@@ -17,7 +17,7 @@
 //   5. scan     : S_end(s) = M_s S_end(s - 1) + N_s over each split sequence's segments, in
 //               fp32; writes the final state;
 //   6. forward phase 2: exact segments again from their true start state, writing o, and beside
-//               them the movable CTAs of the last items (cp_movable: results nobody reads
+//               them the movable ones of the last items (cp_movable: results nobody reads
 //               before the call ends), so that the second pass does not run on idle SMs.
 #pragma once
 

@@ -3,6 +3,8 @@
 // writes (initial state, checkpoints, final state) in the caller's layout and dtype.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/device_utils.cuh"
 #include "sm90/fwd_params.h"
 #include "sm90/fwd_scheduler.cuh"
@@ -25,9 +27,42 @@ __device__ __forceinline__ void for_each_state(float (&S)[kBlocks][32], int sw, 
         f(S[blk][4 * jj + x], 64 * blk + 8 * jj + 2 * q + (x & 1), 64 * sw + 16 * warp + g + 8 * (x >> 1));
 }
 
+// Element (k, v) of state `row` of head h.
 __device__ __forceinline__ int64_t state_offset(const StateRef& s, int64_t row, int64_t h, int k,
                                                 int v, int v_first) {
   return row * s.s0 + h * s.s1 + (v_first ? v * s.s2 + k * s.s3 : k * s.s2 + v * s.s3);
+}
+
+// The thread's slice of a state in memory, with element strides sk (along k) and sv (along v):
+// block (blk, jj) of for_each_state's slice starts at row = base + (64 blk + 8 jj) sk, and its
+// four elements x = 0..3 sit at row, row + sk, row + 8 sv and row + sk + 8 sv. f(blk, jj, row)
+// for each block: the dtype is dispatched once per state and each address is a pointer step
+// (the per-element dtype switch and 64-bit index products took ~100 instructions an element,
+// ~16000 cycles a 64 KB state: bench/NOTES.md, step 10).
+template <int kBlocks, typename T, class F>
+__device__ __forceinline__ void for_each_state_row(T* base, int64_t sk, int64_t sv, int sw, int tid, F&& f) {
+  const int warp = tid >> 5, g = (tid & 31) >> 2, q = tid & 3;
+  T* row = base + 2 * q * sk + (64 * sw + 16 * warp + g) * sv;
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      f(blk, jj, row);
+      row += 8 * sk;
+    }
+}
+
+// Calls f(typed pointer to element (0, 0) of state `row` of head h, sk, sv) with the element
+// type of the state's dtype (fp32 | bf16 | fp16).
+template <class F>
+__device__ __forceinline__ void with_state_type(const StateRef& s, int64_t row, int64_t h, int v_first, F&& f) {
+  const int64_t at = row * s.s0 + h * s.s1;
+  const int64_t sk = v_first ? s.s3 : s.s2, sv = v_first ? s.s2 : s.s3;
+  switch (s.dtype) {
+    case FGDN_BFLOAT16: f(static_cast<__nv_bfloat16*>(s.data) + at, sk, sv); break;
+    case FGDN_FLOAT16: f(static_cast<__half*>(s.data) + at, sk, sv); break;
+    default: f(static_cast<float*>(s.data) + at, sk, sv); break;
+  }
 }
 
 // A CP workspace of states, [slot][Hv][D][D] fp32 ([K][V]: rows k, columns v).
@@ -43,20 +78,74 @@ __device__ __forceinline__ StateRef cp_state_ref(const FwdParams& p, float* data
   return s;
 }
 
+// Where a work item's walk starts from: the caller's initial state (h0, or the pool row of
+// state_idx) or, for the second pass of a CP segment, the scanned state at its start. row < 0:
+// from zero or the identity (the caller's initial state absent, a negative pool index, or a
+// walk that starts from zero by construction).
+struct StateSource {
+  StateRef ref;
+  int64_t row;
+  int32_t v_first;
+};
+
+__device__ __forceinline__ StateSource initial_state_source(const FwdParams& p, const WorkItem& w) {
+  StateSource s{p.h0, -1, p.v_first};
+  if (w.init == kInitH0 && p.h0.data != nullptr) {
+    s.row = p.state_idx != nullptr ? cuda::load_index(p.state_idx, p.state_idx_dtype, w.n) : w.n;
+  } else if (w.init == kInitPrevEnd) {
+    s = StateSource{cp_state_ref(p, p.cp.ends), w.slot - 1, 0};
+  }
+  return s;
+}
+
+// Asks L2 for a state's D rows of D elements (where the inner stride is 1), so that the state
+// role's loads, scattered by the accumulator layout (each warp load: 4 rows x 32 bytes), hit L2
+// instead of DRAM. Issued by the producer when it starts the item, chunks before the state role
+// needs them: without it, the loads of an item's start state took ~20000 cycles at 64 or more
+// CTAs (bench/NOTES.md, step 10).
+__device__ __forceinline__ void prefetch_state_l2(const StateSource& s, int64_t h, int d) {
+  if (s.row < 0 || s.ref.s3 != 1) return;
+  const int64_t esize = s.ref.dtype == FGDN_FLOAT32 ? 4 : 2;
+  const char* base = static_cast<const char*>(s.ref.data) + (s.row * s.ref.s0 + h * s.ref.s1) * esize;
+  const bool packed = s.ref.s2 == d;  // the D rows are one range
+  for (int r = 0; r < (packed ? 1 : d); ++r) {
+    const char* at = base + r * s.ref.s2 * esize;
+    if ((reinterpret_cast<uintptr_t>(at) & 15) == 0)
+      prefetch_l2_bulk(at, static_cast<uint32_t>((packed ? d : 1) * d * esize));
+  }
+}
+
+// S from state `row` of head h (row < 0: zero). The 64 loads of a thread are independent.
 template <int kBlocks>
 __device__ __forceinline__ void load_state(float (&S)[kBlocks][32], const StateRef& src, int64_t row,
                                            int64_t h, int v_first, int sw, int tid) {
-  for_each_state(S, sw, tid, [&](float& s, int k, int v) {
-    s = row >= 0 ? cuda::load_as_float(src.data, src.dtype, state_offset(src, row, h, k, v, v_first))
-                 : 0.f;
+  if (row < 0) {
+    for_each_state(S, sw, tid, [](float& s, int, int) { s = 0.f; });
+    return;
+  }
+  with_state_type(src, row, h, v_first, [&](auto* base, int64_t sk, int64_t sv) {
+    for_each_state_row<kBlocks>(base, sk, sv, sw, tid, [&](int blk, int jj, const auto* r) {
+      float* x = &S[blk][4 * jj];
+      x[0] = cuda::to_float(r[0]);
+      x[1] = cuda::to_float(r[sk]);
+      x[2] = cuda::to_float(r[8 * sv]);
+      x[3] = cuda::to_float(r[sk + 8 * sv]);
+    });
   });
 }
 
 template <int kBlocks>
 __device__ __forceinline__ void store_state(float (&S)[kBlocks][32], const StateRef& dst, int64_t row,
                                             int64_t h, int v_first, int sw, int tid) {
-  for_each_state(S, sw, tid, [&](float& s, int k, int v) {
-    cuda::store_from_float(dst.data, dst.dtype, state_offset(dst, row, h, k, v, v_first), s);
+  with_state_type(dst, row, h, v_first, [&](auto* base, int64_t sk, int64_t sv) {
+    using T = std::remove_pointer_t<decltype(base)>;
+    for_each_state_row<kBlocks>(base, sk, sv, sw, tid, [&](int blk, int jj, T* r) {
+      const float* x = &S[blk][4 * jj];
+      r[0] = cuda::from_float<T>(x[0]);
+      r[sk] = cuda::from_float<T>(x[1]);
+      r[8 * sv] = cuda::from_float<T>(x[2]);
+      r[sk + 8 * sv] = cuda::from_float<T>(x[3]);
+    });
   });
 }
 

@@ -14,9 +14,9 @@
 
 namespace flashgdn::sm90 {
 
-// Launches the kernel for (kD, Tin, precision): one CTA per (sequence, value head) item.
+// Launches the kernel for (kD, Tin, precision) on `ctas` CTAs, which walk fp.units work items.
 template <int kD, typename Tin>
-void launch_fwd(const FwdParams& fp, Precision precision, int64_t items, cudaStream_t stream);
+void launch_fwd(const FwdParams& fp, Precision precision, int64_t ctas, cudaStream_t stream);
 
 #define FGDN_SM90_FWD_INSTANTIATIONS(X) \
   X(64, __nv_bfloat16)                  \

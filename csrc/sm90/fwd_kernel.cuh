@@ -47,35 +47,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
   }
   __syncthreads();
 
-  // Each role derives its work item after taking its register budget (a value computed before
-  // the split would have to survive the producer's 24 registers).
+  // Every role walks the CTA's work items itself (fwd_scheduler.cuh), after taking its register
+  // budget (a value computed before the split would have to survive the producer's 24 registers).
+  // c0: the chunks the CTA walked before the item, where its ring positions start.
   if (wg == 0) {
     setmaxnreg_dec<Tr::kProducerRegs>();
-    const WorkItem w = fwd_work_item(p);
-    if (!w.active) return;  // a surplus CTA of a CP grid: every role returns alike
     // Warp w of every warpgroup issues from scheduler w % 4. The norm warps issue for thousands
     // of cycles a chunk, so they take warps 0-1, beside the chunk-local warpgroup's light warps
     // (rows 0-31); its warps 2-3 (rows 32-63: 3-4x the gating, every merge) share their
     // schedulers with the mostly idle TMA and gate warps (bench/NOTES.md).
-    const int warp = tid >> 5;
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
     if (warp < 2) {
-      fwd_row_norms<Tr>(p, sm, w, warp, tid & 31);
+      for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_row_norms<Tr>(p, sm, w, c0, warp, lane); });
     } else if (warp == 2) {
-      if ((tid & 31) == 0) fwd_load_tiles<Tr>(p, sm, w);
+      if (lane == 0) {
+        prefetch_tensormap(&p.tma_q);
+        prefetch_tensormap(&p.tma_k);
+        prefetch_tensormap(&p.tma_v);
+        for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_load_tiles<Tr>(p, sm, w, c0); });
+      }
     } else {
-      fwd_load_gates<Tr>(p, sm, w, tid & 31);
+      for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_load_gates<Tr>(p, sm, w, c0, lane); });
     }
   } else if (wg == 1) {
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();
     else setmaxnreg_dec<Tr::kLocalRegs>();
-    const WorkItem w = fwd_work_item(p);
-    if (!w.active) return;
-    fwd_chunk_local<Tr>(p, sm, w, tid);
+    zero_local_p(sm, tid);
+    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
-    const WorkItem w = fwd_work_item(p);
-    if (!w.active) return;
-    fwd_state<Tr>(p, sm, w, wg - 2, tid);
+    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_state<Tr>(p, sm, w, c0, wg - 2, tid); });
   }
 #endif
 }

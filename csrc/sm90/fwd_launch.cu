@@ -1,6 +1,6 @@
 // Host side of the Hopper forward: workspace, kernel parameters from the validated Problem, and
-// the dispatch over (head dim, operand type, precision). One CTA per (sequence, value head), or
-// with context parallelism the five launches of fwd_context_parallel.h.
+// the dispatch over (head dim, operand type, precision). One launch over the (sequence, value
+// head) work items, or with context parallelism the five launches of fwd_context_parallel.h.
 #include "sm90/fwd_launch.h"
 
 #include <cuda_bf16.h>
@@ -175,8 +175,17 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     }
   }
 
-  auto launch = [&](const FwdParams& f, int64_t ctas) {
-    if (ctas == 0) return;
+  // units: the launch's work-item indices (fwd_scheduler.cuh). persistent: at most one CTA per
+  // SM (the kernel's occupancy), each walking every gridDim.x-th item, so that an item's loads
+  // and chunk-local work overlap the state's last chunks of the one before instead of waiting
+  // for a CTA to retire and the next to fill its pipeline. Otherwise one CTA per unit, for
+  // items of unequal length in no particular order (varlen without CP), where the hardware's
+  // greedy CTA dispatch balances better than a static stride, and for the CP launches, whose
+  // grids hold many inactive units.
+  auto launch = [&](FwdParams f, int64_t units, bool persistent) {
+    if (units == 0) return;
+    f.units = static_cast<int32_t>(units);
+    const int64_t ctas = persistent ? std::min<int64_t>(units, sm_count(p.device_id)) : units;
     const bool bf16 = p.qkv_dtype == FGDN_BFLOAT16;
     if (p.K == 128) {
       if (bf16) launch_fwd<128, __nv_bfloat16>(f, prec, ctas, stream);
@@ -187,7 +196,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     }
   };
   if (!wl.cp.enabled) {
-    launch(fp, p.N * p.Hv);
+    launch(fp, p.N * p.Hv, !p.varlen);
     return;
   }
   // Context parallelism (fwd_context_parallel.h): boundaries, certificate, plan, phase 1, scan,
@@ -212,10 +221,10 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   launch_cp_certify(c, fp, t, stream);
   launch_cp_plan(c, fp, t, stream);
   fp.cp.phase = 1;
-  launch(fp, (c.max_slots + c.max_items) * p.Hv);
+  launch(fp, (c.max_slots + c.max_items) * p.Hv, false);
   launch_cp_scan(c, fp, t, stream);
   fp.cp.phase = 2;
-  launch(fp, (c.max_slots + c.max_items) * p.Hv);
+  launch(fp, (c.max_slots + c.max_items) * p.Hv, false);
 }
 
 }  // namespace flashgdn::sm90

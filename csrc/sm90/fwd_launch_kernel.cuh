@@ -8,21 +8,21 @@
 namespace flashgdn::sm90 {
 
 template <class Tr>
-void launch_traits(const FwdParams& fp, int64_t items, cudaStream_t stream) {
+void launch_traits(const FwdParams& fp, int64_t ctas, cudaStream_t stream) {
   constexpr size_t smem = fwd_smem_bytes<Tr>();
   static_assert(smem <= 227 * 1024, "shared memory plan exceeds the sm_90 limit");
   auto kern = gdn_fwd_kernel<Tr>;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-  kern<<<static_cast<unsigned>(items), Tr::kThreads, smem, stream>>>(fp);
+  kern<<<static_cast<unsigned>(ctas), Tr::kThreads, smem, stream>>>(fp);
   FGDN_CHECK_LAUNCH("gdn_fwd_kernel");
 }
 
 template <int kD, typename Tin>
-void launch_fwd(const FwdParams& fp, Precision precision, int64_t items, cudaStream_t stream) {
+void launch_fwd(const FwdParams& fp, Precision precision, int64_t ctas, cudaStream_t stream) {
   switch (precision) {
-    case Precision::kFast: launch_traits<FwdTraits<kD, Tin, Precision::kFast>>(fp, items, stream); break;
-    case Precision::kHigh: launch_traits<FwdTraits<kD, Tin, Precision::kHigh>>(fp, items, stream); break;
+    case Precision::kFast: launch_traits<FwdTraits<kD, Tin, Precision::kFast>>(fp, ctas, stream); break;
+    case Precision::kHigh: launch_traits<FwdTraits<kD, Tin, Precision::kHigh>>(fp, ctas, stream); break;
   }
 }
 

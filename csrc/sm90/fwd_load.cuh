@@ -10,6 +10,7 @@
 
 #include "common/numerics.h"
 #include "cuda/device_utils.cuh"
+#include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_params.h"
 #include "sm90/fwd_scheduler.cuh"
 #include "sm90/fwd_smem.cuh"
@@ -26,12 +27,9 @@ __device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map,
 
 template <class Tr>
 __device__ __forceinline__ void fwd_load_tiles(const FwdParams& p, FwdSmem<Tr>& sm,
-                                               const WorkItem& w) {
-  prefetch_tensormap(&p.tma_q);
-  prefetch_tensormap(&p.tma_k);
-  prefetch_tensormap(&p.tma_v);
+                                               const WorkItem& w, int32_t c0) {
   for (int32_t j = 0; j < w.nchunks; ++j) {
-    const RingPos<Tr::kInStages> pos(j);
+    const RingPos<Tr::kInStages> pos(c0 + j);
     auto& st = sm.in[pos.stage];
     sm.in_empty[pos.stage].wait(pos.phase ^ 1);
     Mbarrier* full = &sm.in_full[pos.stage];
@@ -45,6 +43,9 @@ __device__ __forceinline__ void fwd_load_tiles(const FwdParams& p, FwdSmem<Tr>& 
       tma_load_tile(&st.qk[blk][64][0], &p.tma_k, p.order_k, full, blk, hq, t, b);
       tma_load_tile(&st.v[blk][0][0], &p.tma_v, p.order_v, full, blk, h, t, b);
     }
+    // The item's start state into L2 once its first chunk's loads are out, chunks before the
+    // state role reads it.
+    if (j == 0) prefetch_state_l2(initial_state_source(p, w), w.h, Tr::kD);
   }
 }
 
@@ -65,9 +66,9 @@ __device__ __forceinline__ float token_beta(const FwdParams& p, int64_t b, int64
 
 template <class Tr>
 __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& sm,
-                                               const WorkItem& w, int lane) {
+                                               const WorkItem& w, int32_t c0, int lane) {
   for (int32_t j = 0; j < w.nchunks; ++j) {
-    const RingPos<Tr::kInStages> pos(j);
+    const RingPos<Tr::kInStages> pos(c0 + j);
     const int len = w.chunk_len(j);
     // Tokens 2 lane and 2 lane + 1, loaded and summed before waiting for the stage (the loads'
     // latency hides behind that wait): c_t = g_1 + ... + g_t of the floored gate
@@ -84,10 +85,10 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
       }
     }
     const float pair = g[0] + g[1];
-    const float c0 = (cuda::warp_inclusive_scan(pair) - pair) + g[0];
+    const float cum = (cuda::warp_inclusive_scan(pair) - pair) + g[0];
     sm.in_empty[pos.stage].wait(pos.phase ^ 1);
     auto& st = sm.in[pos.stage];
-    *reinterpret_cast<float2*>(&st.c2[2 * lane]) = make_float2(c0 * kLog2e, (c0 + g[1]) * kLog2e);
+    *reinterpret_cast<float2*>(&st.c2[2 * lane]) = make_float2(cum * kLog2e, (cum + g[1]) * kLog2e);
     *reinterpret_cast<float2*>(&st.beta[2 * lane]) = make_float2(b[0], b[1]);
     // u_t = c2_t - log2(fk_t): one value a column for the chunk-local role's gating, which
     // loads its columns' values two blocks ahead instead of c2 and fk block by block (each load
@@ -97,7 +98,7 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
     named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), 64);
     const float2 fk = *reinterpret_cast<const float2*>(&st.fk[2 * lane]);
     *reinterpret_cast<float2*>(&st.u[2 * lane]) =
-        make_float2(c0 * kLog2e - log2f(fk.x), (c0 + g[1]) * kLog2e - log2f(fk.y));
+        make_float2(cum * kLog2e - log2f(fk.x), (cum + g[1]) * kLog2e - log2f(fk.y));
     sm.in_ready[pos.stage].arrive();
   }
 }

@@ -22,8 +22,8 @@ struct StateRef {
 };
 
 // Intra-card context parallelism (fwd_context_parallel.h): the tables the plan kernel writes on
-// the device and the phase this launch runs. phase 0: no CP (one CTA per (sequence, value head),
-// grid N x Hv).
+// the device and the phase this launch runs. phase 0: no CP (one work item per (sequence, value head),
+// N x Hv units).
 struct CpRef {
   int32_t phase = 0;            // 0 off | 1 first pass | 2 second pass (exact segments)
   int32_t max_slots = 0;        // grid bound of the slot range (host, shapes only)
@@ -72,6 +72,7 @@ struct FwdParams {
   const int64_t* ckpt_offset = nullptr;  // varlen: first checkpoint row per sequence [N]
 
   CpRef cp;
+  int32_t units = 0;  // unit indices of the launch (fwd_scheduler.cuh): N Hv, or the CP grid bound
 };
 
 }  // namespace flashgdn::sm90

@@ -94,9 +94,9 @@ __device__ __forceinline__ float row_sumsq(typename Tr::Tin (*qk)[128][64], int 
 
 template <class Tr>
 __device__ __forceinline__ void fwd_row_norms(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
-                                              int is_k, int lane) {
+                                              int32_t c0, int is_k, int lane) {
   for (int32_t j = 0; j < w.nchunks; ++j) {
-    const RingPos<Tr::kInStages> pos(j);
+    const RingPos<Tr::kInStages> pos(c0 + j);
     auto& st = sm.in[pos.stage];
     float* f = is_k ? st.fk : st.fq;
     sm.in_full[pos.stage].wait(pos.phase);

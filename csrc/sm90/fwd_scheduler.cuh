@@ -1,7 +1,9 @@
-// Work items of the Hopper forward: one state chain per CTA (a sequence's, or with context
-// parallelism one segment's, for one value head), its chunks walked in order by every role.
-// Every role derives the same chunk sequence from the item, so the pipelines need no metadata
-// beyond their barriers.
+// Work items of the Hopper forward and the persistent walk over them. A work item is one state
+// chain (a sequence's, or with context parallelism one segment's, for one value head), its
+// chunks walked in order by every role. A CTA walks several items back to back (for_each_work_item)
+// and every role derives the same items and chunks, so the pipelines need no metadata beyond
+// their barriers, and the next item's loads and chunk-local work overlap the state's last chunks
+// of the one before.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +44,7 @@ struct WorkItem {
   int32_t init;        // StateInit
   int32_t end;         // StateEnd
   int32_t slot;        // CP slot (segment of a split sequence), -1 otherwise
-  bool active;         // false: a surplus CTA of a CP grid (nothing to do)
+  bool active;         // false: a surplus unit of a CP grid (nothing to do)
 
   // Tokens of chunk j (1..64).
   __device__ __forceinline__ int chunk_len(int32_t j) const {
@@ -51,7 +53,7 @@ struct WorkItem {
   }
 };
 
-// Whether the CTA of item u = {n, seg, slot or -1, nseg} for value head h may run in phase 2:
+// Whether the work item u = {n, seg, slot or -1, nseg} for value head h may run in phase 2:
 // an unsplit sequence (it reads h0 and writes its final state itself), or a middle warm-up
 // segment whose end state the scan does not read (the next segment is not exact for h). First
 // segments (they read h0, maybe a pool row that the scan rewrites), last segments (the scan
@@ -63,20 +65,20 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
   return warm[at] != kExactSegment && warm[at + hv] != kExactSegment;
 }
 
-// Item of this CTA. Without CP: one (sequence, value head) per CTA, the value heads of one
-// sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those loads through
-// L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
-//   phase 1: CTAs [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
+// The item of unit index `index` (p.units of them). Without CP: (sequence, value head), the value
+// heads of one sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those
+// loads through L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
+//   phase 1: indices [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
 //            rest run the plan's items: whole sequences, first segments (from h0), warm-up
 //            segments (from zero, W chunks early) and the local states N of exact segments;
-//   phase 2: CTAs [0, max_slots Hv): exact segments again, from the scanned true start state,
-//            writing o; the rest: the movable CTAs whose index unit Hv + h is at least
+//   phase 2: indices [0, max_slots Hv): exact segments again, from the scanned true start
+//            state, writing o; the rest: the movable items whose index unit Hv + h is at least
 //            plan[kPlanDeferFrom], which phase 1 skipped.
-__device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
+__device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p, int32_t index) {
   WorkItem w;
   const int32_t hv = static_cast<int32_t>(p.Hv);
-  int32_t unit = static_cast<int32_t>(blockIdx.x / hv);
-  w.h = static_cast<int32_t>(blockIdx.x % hv);
+  int32_t unit = index / hv;
+  w.h = index % hv;
   w.hq = w.h / static_cast<int32_t>(p.group);
   w.out_chunk0 = 0;
   w.seq_chunk0 = 0;
@@ -142,6 +144,24 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p) {
   w.nchunks = (w.len + 63) / 64;
   w.out_chunk0 = min(w.out_chunk0, w.nchunks);
   return w;
+}
+
+// The persistent walk: CTA b takes the unit indices b, b + gridDim.x, b + 2 gridDim.x, .. below
+// p.units (the grid: at most one CTA per SM, fwd_launch.cu) and calls walk(item, c0) for each
+// active item, c0 being the chunks it walked before: the ring positions of the item's chunks are
+// c0 + j in every role. The static stride keeps a unit's bits independent of the grid (nothing
+// but the ring positions depends on the CTA) and balances items of equal length; items of
+// unequal length arrive longest first from the CP plan, or (varlen without CP) get a CTA each.
+template <class F>
+__device__ __forceinline__ void for_each_work_item(const FwdParams& p, F&& walk) {
+  int32_t c0 = 0;
+  for (int32_t index = static_cast<int32_t>(blockIdx.x); index < p.units;
+       index += static_cast<int32_t>(gridDim.x)) {
+    const WorkItem w = fwd_work_item(p, index);
+    if (!w.active) continue;
+    walk(w, c0);
+    c0 += w.nchunks;
+  }
 }
 
 // Stage and phase parity of the i-th use of a ring of kStages buffers.

@@ -55,20 +55,17 @@ __device__ __forceinline__ void state_fragments(const float (&x)[32], int s, int
 
 template <class Tr>
 __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
-                                          int sw, int tid) {
+                                          int32_t c0, int sw, int tid) {
   using Tin = typename Tr::Tin;
   constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
   constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
 
   // ---- initial state ---------------------------------------------------------------------
-  int64_t h0_row = -1;
-  if (p.h0.data != nullptr && w.init == kInitH0)
-    h0_row = p.state_idx != nullptr ? cuda::load_index(p.state_idx, p.state_idx_dtype, w.n) : w.n;
+  const StateSource src = initial_state_source(p, w);
+  const int64_t h0_row = w.init == kInitH0 ? src.row : -1;  // the pool row written back at the end
   float S[kB][32];
-  if (w.init == kInitH0) {
-    load_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
-  } else if (w.init == kInitPrevEnd) {
-    load_state(S, cp_state_ref(p, p.cp.ends), w.slot - 1, w.h, 0, sw, tid);
+  if (w.init == kInitH0 || w.init == kInitPrevEnd) {
+    load_state(S, src.ref, src.row, w.h, src.v_first, sw, tid);
   } else {
     const bool identity = w.init == kInitIdentity;
     for_each_state(S, sw, tid, [&](float& s, int k, int v) { s = identity && k == v ? 1.f : 0.f; });
@@ -81,8 +78,8 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     ck_base = p.ckpt_offset != nullptr ? p.ckpt_offset[w.n] : w.n * (p.seq.T / p.every);
 
   for (int32_t j = 0; j < w.nchunks; ++j) {
-    const RingPos<Tr::kInStages> pin(j);
-    const RingPos<Tr::kLocalStages> ploc(j);
+    const RingPos<Tr::kInStages> pin(c0 + j);
+    const RingPos<Tr::kLocalStages> ploc(c0 + j);
     auto& in = sm.in[pin.stage];
     auto& loc = sm.local[ploc.stage];
     const int len = w.chunk_len(j);

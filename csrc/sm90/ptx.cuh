@@ -88,6 +88,13 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, Mbarrier
       : "memory");
 }
 
+// Asks L2 to fetch [src, src + bytes) from global memory (src 16-byte aligned, bytes a multiple
+// of 16). Nothing lands in shared memory and nothing waits for it: a hint.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(src)), "r"(bytes)
+               : "memory");
+}
+
 // ---- cp.async (per-thread 16-byte copies into shared memory, in commit groups) -------------
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
