@@ -79,22 +79,34 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
   return p1 + p2 + scan + kCpFixedSteps;
 }
 
-// The plan's choice: the cheapest candidate L = min_chunks 2^i (i < candidates) that splits
-// something and costs under kCpMinGain x no split; else kCpNoSplit.
-FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
-                                                 double sum_c, double max_c, double n, double hv, int sms) {
+// The cost of candidate i (L = min_chunks 2^i), or -1 where nothing splits (the plan kernel
+// prices its candidates in parallel, a thread each).
+FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int i, int32_t min_chunks,
+                                                  double sum_c, double max_c, double hv, int sms) {
+  const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
+  return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms);
+}
+
+// The plan's choice from the candidates' costs: the cheapest L = min_chunks 2^i that splits
+// something and costs under kCpMinGain x no split (the first of equal costs); else kCpNoSplit.
+FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidates, int32_t min_chunks, double sum_c,
+                                               double max_c, double n, double hv, int sms) {
   double best = kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
   int32_t chosen = kCpNoSplit;
   for (int i = 0; i < candidates; ++i) {
-    const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
-    if (max_c <= L) continue;  // nothing splits
-    const double cost = cp_steps(stats[i], sum_c, max_c, L, hv, sms);
-    if (cost < best) {
-      best = cost;
+    if (cost[i] >= 0.0 && cost[i] < best) {
+      best = cost[i];
       chosen = min_chunks << i;
     }
   }
   return chosen;
+}
+
+FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
+                                                 double sum_c, double max_c, double n, double hv, int sms) {
+  double cost[kCpMaxCandidates];
+  for (int i = 0; i < candidates; ++i) cost[i] = cp_candidate_steps(stats[i], i, min_chunks, sum_c, max_c, hv, sms);
+  return cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, n, hv, sms);
 }
 
 // The shortest candidate: the smallest power of two, at least 4, above a quarter of the

@@ -9,6 +9,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <cstddef>
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
@@ -72,23 +73,25 @@ constexpr int kCertifyThreads = 256;
 
 // Summed gate and the beta test over one chunk's tokens t0 + i (i = 0, step, .. < 64) of head h,
 // with the storage dtypes as template parameters: a run-time dtype switch per load would keep
-// only one load in flight.
+// only one load in flight. (2 x 32 loads in flight a lane instead of 2 x 8 measured slower:
+// bench/NOTES.md, step 12b.)
 template <typename TG, typename TB>
 __device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int64_t t0, int step, int32_t h,
                                               float dt_bias, float A_log, float& g, bool& ok) {
+  constexpr int kBatch = 8;
   const TG* gp = static_cast<const TG*>(p.g) + b * p.gs0 + h * p.gs2;
   const TB* bp = static_cast<const TB*>(p.beta) + b * p.bs0 + h * p.bs2;
-  for (int i0 = 0; i0 < 64; i0 += 8 * step) {
-    float gv[8], bv[8];
+  for (int i0 = 0; i0 < 64; i0 += kBatch * step) {
+    float gv[kBatch], bv[kBatch];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {  // loads first: the test must not make the next load wait
+    for (int u = 0; u < kBatch; ++u) {  // loads first: the test must not make the next load wait
       const int64_t t = t0 + i0 + u * step;
       const bool in = i0 + u * step < 64;
       gv[u] = in ? cuda::to_float(gp[t * p.gs1]) : 0.f;
       bv[u] = in ? cuda::to_float(bp[t * p.bs1]) : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (i0 + u * step >= 64) continue;
       g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
       ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
@@ -177,6 +180,41 @@ struct PlanStats {
   CpCandidateStats cand[kCpMaxCandidates];
 };
 
+// Block-wide reduction of every PlanStats field (sums; maxima for max_c and warm_max), integers
+// so the order does not matter: each warp's values by shuffles, then thread f over the warps'
+// partials of field f. (A block-wide atomic round per field, 38 of them, took ~12000 of the
+// plan's ~40000 cycles: bench/NOTES.md, step 12.)
+constexpr int kStatFields = sizeof(PlanStats) / sizeof(unsigned long long);
+static_assert(sizeof(CpCandidateStats) == 6 * sizeof(unsigned long long) &&
+                  offsetof(PlanStats, cand) == 2 * sizeof(unsigned long long) &&
+                  offsetof(CpCandidateStats, warm_max) == 4 * sizeof(unsigned long long),
+              "stat_is_max assumes this layout");
+__device__ __forceinline__ bool stat_is_max(int f) { return f == 1 || (f >= 2 && (f - 2) % 6 == 4); }
+
+__device__ inline void block_reduce_stats(const PlanStats& own, PlanStats& all,
+                                          unsigned long long (*partial)[kStatFields]) {
+  const auto* x = reinterpret_cast<const unsigned long long*>(&own);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int f = 0; f < kStatFields; ++f) {
+    unsigned long long v = x[f];
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) {
+      const unsigned long long y = __shfl_xor_sync(0xffffffffu, v, m);
+      v = stat_is_max(f) ? max(v, y) : v + y;
+    }
+    if (lane == 0) partial[warp][f] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < kStatFields) {
+    const int f = static_cast<int>(threadIdx.x);
+    unsigned long long v = partial[0][f];
+    for (int w = 1; w < kPlanThreads / 32; ++w) v = stat_is_max(f) ? max(v, partial[w][f]) : v + partial[w][f];
+    reinterpret_cast<unsigned long long*>(&all)[f] = v;
+  }
+  __syncthreads();
+}
+
 // Block-wide sum (or max) of one statistic into shared memory: the warp's value by shuffles,
 // then one atomic per warp (integers: the result does not depend on the order).
 __device__ inline void block_accumulate(unsigned long long* to, unsigned long long x, bool is_max) {
@@ -186,6 +224,27 @@ __device__ inline void block_accumulate(unsigned long long* to, unsigned long lo
     x = is_max ? max(x, y) : x + y;
   }
   if ((threadIdx.x & 31) == 0) is_max ? atomicMax(to, x) : atomicAdd(to, x);
+}
+
+// Movable CTAs of item u over its hv heads (cp_movable for each h): the item-wide cases first,
+// then the heads' flags 16 at a time, so that their loads fly together (one head at a time, a
+// load round trip each, this took up to ~12000 cycles of the plan at Hv = 64).
+__device__ inline int movable_heads(const int32_t* warm, int32_t hv, int4 u) {
+  if (u.z < 0) return hv;
+  if (u.y == 0 || u.y + 1 >= u.w) return 0;
+  const int32_t* row = warm + static_cast<int64_t>(u.z) * hv;
+  int count = 0;
+  for (int32_t h0 = 0; h0 < hv; h0 += 16) {
+    int32_t a[16], b[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      a[j] = h0 + j < hv ? row[h0 + j] : kExactSegment;
+      b[j] = h0 + j < hv ? row[hv + h0 + j] : kExactSegment;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) count += a[j] != kExactSegment && b[j] != kExactSegment ? 1 : 0;
+  }
+  return count;
 }
 
 // ---- plan ------------------------------------------------------------------------------------
@@ -211,8 +270,6 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   if (candidates == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
   } else {
-    if (threadIdx.x == 0) tmp.stats = PlanStats{};
-    __syncthreads();
     PlanStats own = {};
     // Per sequence: chunks and items.
     for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
@@ -248,31 +305,29 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
         }
       }
     }
+    __shared__ unsigned long long partial[kPlanThreads / 32][kStatFields];
+    __shared__ double cost[kCpMaxCandidates];
     PlanStats& all = tmp.stats;
-    block_accumulate(&all.sum_c, own.sum_c, false);
-    block_accumulate(&all.max_c, own.max_c, true);
-#pragma unroll
-    for (int i = 0; i < kCpMaxCandidates; ++i) {
-      block_accumulate(&all.cand[i].items, own.cand[i].items, false);
-      block_accumulate(&all.cand[i].exact, own.cand[i].exact, false);
-      block_accumulate(&all.cand[i].exact_chunks, own.cand[i].exact_chunks, false);
-      block_accumulate(&all.cand[i].warm_chunks, own.cand[i].warm_chunks, false);
-      block_accumulate(&all.cand[i].warm_max, own.cand[i].warm_max, true);
-      block_accumulate(&all.cand[i].movable, own.cand[i].movable, false);
+    block_reduce_stats(own, all, partial);
+    // The candidates priced a thread each (the cost model's integer divisions and waves in
+    // double precision cost ~900 cycles a candidate), then the pick.
+    const double sum_c = static_cast<double>(all.sum_c), max_c = static_cast<double>(all.max_c);
+    if (threadIdx.x < candidates) {
+      const int i = static_cast<int>(threadIdx.x);
+      cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms);
     }
     __syncthreads();
     if (threadIdx.x == 0)
-      chosen = cp_choose_chunks(all.cand, candidates, min_chunks, static_cast<double>(all.sum_c),
-                                static_cast<double>(all.max_c), static_cast<double>(N), hv, sms);
+      chosen = cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, static_cast<double>(N), hv, sms);
   }
   if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = 0;
   __syncthreads();
   const int64_t L = chosen;
 
-  // Items go out longest first (the forward's persistent CTAs take the units in index order,
-  // fwd_scheduler.cuh, so a long chain placed last would run alone at the end): buckets of floor(log2(chunks)), longest bucket first. Within a
-  // bucket the order is the atomics' and does not matter: an item's results do not depend on
-  // the CTA that runs it.
+  // Items go out longest first (the forward's CTAs take the units in index order,
+  // fwd_scheduler.cuh, so a long chain placed last would run alone at the end): buckets of
+  // floor(log2(chunks)), longest bucket first. Within a bucket the order is the atomics' and does
+  // not matter: an item's results do not depend on the CTA that runs it.
   __shared__ int bucket_next[32];
   auto nseg_of = [&](int64_t c) { return c > L ? static_cast<int>(ceil_div(c, L)) : 1; };
   auto bucket_of = [&](int64_t c, int s) {  // segment s of a sequence of c chunks
@@ -281,9 +336,13 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   };
   if (threadIdx.x < 32) bucket_next[threadIdx.x] = 0;
   __syncthreads();
+  // A split sequence's segments but the last are L chunks long, so one bucket takes them all:
+  // two atomics a sequence, not one a segment (a serial chain on one thread for one sequence).
   for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
     const int64_t c = seq_chunks(seq, n);
-    for (int s = 0, nseg = nseg_of(c); s < nseg; ++s) atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+    const int nseg = nseg_of(c);
+    if (nseg > 1) atomicAdd(&bucket_next[bucket_of(c, 0)], nseg - 1);
+    atomicAdd(&bucket_next[bucket_of(c, nseg - 1)], 1);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -315,8 +374,9 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     if (n < N) {
       // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
       // writing past the tables.
+      const int full = nseg > 1 ? atomicAdd(&bucket_next[bucket_of(c, 0)], nseg - 1) : 0;
       for (int s = 0; s < nseg; ++s) {
-        const int at = atomicAdd(&bucket_next[bucket_of(c, s)], 1);
+        const int at = s + 1 < nseg ? full + s : atomicAdd(&bucket_next[bucket_of(c, s)], 1);
         if (at < max_items) t.items[at] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
       }
       if (split) {
@@ -373,8 +433,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   for (int32_t last = n_items - 1; deferred > 0 && last >= 0; last -= kPlanThreads) {
     const int32_t i = last - static_cast<int32_t>(threadIdx.x);
     int count = 0;
-    if (i >= 0)
-      for (int32_t h = 0; h < hv; ++h) count += cp_movable(t.warm, hv, t.items[i], h) ? 1 : 0;
+    if (i >= 0) count = movable_heads(t.warm, hv, t.items[i]);
     int through, tile;  // movable CTAs in items [i, last], and in the whole tile
     Scan(tmp.scan).InclusiveSum(count, through, tile);
     const unsigned long long behind = after + static_cast<unsigned long long>(through - count);
