@@ -99,6 +99,17 @@ std::vector<ft::Spec> all_cases() {
     s.v_first = true;
     add(s);
   }
+  // Dense batches of more (sequence, value head) units than a GPU has SMs (512 and 480, over 3x
+  // 148), so that a persistent grid walks several items a CTA (fwd_launch.cu,
+  // kPersistentDenseBatches): states read and written between items, partial last chunks,
+  // checkpoints, a bf16 state as vLLM's pools keep it.
+  add(with_h0(dense_d("bf16_dense_many_items_D128", 16, 130, 8, 32, 128)));
+  {
+    ft::Spec s = with_h0(dense_d("fp16_dense_many_items_D64", 15, 200, 4, 32, 64, FGDN_FLOAT16));
+    s.h0_dt = s.ht_dt = FGDN_BFLOAT16;
+    s.checkpoint_every = 64;
+    add(s);
+  }
   {
     ft::Spec s = with_h0(dense_d("bf16_checkpoints_64_D64", 2, 200, 1, 2, 64));
     s.checkpoint_every = 64;

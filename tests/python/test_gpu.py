@@ -52,6 +52,13 @@ def test_lengths_dense(T):
     _run(c, ctx=f"T={T}")
 
 
+def test_dense_many_items():
+    """More (sequence, value head) units than the GPU has SMs (16 x 32 = 512): with persistent CTAs
+    (fwd_launch.cu) each walks several items, the state read and written between them."""
+    c = make_case(B=16, T=130, Hq=8, Hv=32, K=128, V=128, dtype=torch.bfloat16, device=DEV)
+    _run(c, ctx="B=16 Hv=32")
+
+
 def test_long_sequence_32k():
     c = make_case(B=1, T=32768, Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16, device=DEV)
     _run(c, ctx="T=32768")
