@@ -100,9 +100,10 @@ __device__ __forceinline__ StateSource initial_state_source(const FwdParams& p, 
 
 // Asks L2 for a state's D rows of D elements (where the inner stride is 1), so that the state
 // role's loads, scattered by the accumulator layout (each warp load: 4 rows x 32 bytes), hit L2
-// instead of DRAM. Issued by the producer when it starts the item, chunks before the state role
-// needs them: without it, the loads of an item's start state took ~20000 cycles at 64 or more
-// CTAs (bench/NOTES.md, step 10).
+// instead of DRAM. Issued by the producer after an item's first chunk loads: for a CTA's later
+// items (the persistent walk) that is chunks before the state role reads the state, and it took
+// ~8% off an item's time in one timeline; for its first item it arrives with the state role's
+// own loads and buys nothing (bench/NOTES.md, step 10).
 __device__ __forceinline__ void prefetch_state_l2(const StateSource& s, int64_t h, int d) {
   if (s.row < 0 || s.ref.s3 != 1) return;
   const int64_t esize = s.ref.dtype == FGDN_FLOAT32 ? 4 : 2;

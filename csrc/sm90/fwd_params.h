@@ -22,8 +22,8 @@ struct StateRef {
 };
 
 // Intra-card context parallelism (fwd_context_parallel.h): the tables the plan kernel writes on
-// the device and the phase this launch runs. phase 0: no CP (one work item per (sequence, value head),
-// N x Hv units).
+// the device and the phase this launch runs. phase 0: no CP (one work item per (sequence, value
+// head), N x Hv units).
 struct CpRef {
   int32_t phase = 0;            // 0 off | 1 first pass | 2 second pass (exact segments)
   int32_t max_slots = 0;        // grid bound of the slot range (host, shapes only)
