@@ -21,12 +21,9 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// Dense batches walked by persistent CTAs, several work items a CTA. Off: every timing of
-// bench/NOTES.md step 10 ran with it, but no test has yet checked a walk of more than one item a
-// CTA against the oracle on a GPU (the GPU test shapes had fewer units than SMs until
-// CudaForward's dense_many_items cases, added after the last GPU run). Turn on once they pass
-// on one with it on.
-constexpr bool kPersistentDenseBatches = false;
+// Dense batches walked by persistent CTAs, several work items a CTA (checked against the oracle
+// by CudaForward's dense_many_items cases, 480-512 units over the SMs).
+constexpr bool kPersistentDenseBatches = true;
 
 int sm_count(int device_id) {
   int sms = 0;
