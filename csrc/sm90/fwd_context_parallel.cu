@@ -459,134 +459,223 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
 
 // ---- scan ------------------------------------------------------------------------------------
 // A chain per (split sequence, value head, 8 state columns), walked by one CTA at a time (a
-// CTA walks several chains one after another when there are more than fit on the SMs), a warp
-// per 16 state rows. Along the sequence's segments s = 1, 2, ..:
+// CTA walks several chains one after another when there are more than fit on the SMs). Along
+// the sequence's segments s = 1, 2, ..:
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
-// one is the sequence's final state (ht or the pool row, in its dtype and layout). The product
-// is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA chain it
-// replaces: 128-term sums in fp32 carry ~2^-20 anyway). The chain is latency-bound, so the next
-// exact segment's M (64 KB at D = 128) is copied into shared memory (cp.async, two buffers) while
-// this one's product runs. Rows of M and S^T are padded to kD + 4 floats (= 4 mod 32), so the
-// mma fragments' reads touch 32 distinct banks.
+// one is the sequence's final state (ht or the pool row, in its dtype and layout).
+//
+// Roles: kD / 16 compute warps, a warp per 16 state rows, and one copy warp that streams each
+// exact segment's M (64 KB at D = 128) into a two-buffer ring (`m_full` / `m_empty`), running
+// ahead of the compute warps. Issuing 64 KB of 16-byte copies takes ~1500 cycles a step
+// (bench/NOTES.md step 16): on the compute warps it was on the chain, on the copy warp it
+// overlaps the product.
+//
+// The product is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA
+// chain it replaces: 128-term sums in fp32 carry ~2^-20 anyway): x = big + small, a b ~
+// big_a big_b + big_a small_b + small_a big_b. S_end(s - 1) is split once, by the thread that
+// holds it, into two transposed tiles (St: big and small); each M element is split by the one
+// warp that reads it, with integer operations: big rounds the magnitude half up to TF32's 10
+// mantissa bits, small = x - big is exact in fp32 and the tensor core reads its leading 10 bits.
+// The products accumulate in three chains of kD / 8, not one of 3 kD / 8. Rows of M and St are
+// padded to kD + 16 floats (16-byte units: 4 mod 8), so a quarter warp's 16-byte fragment reads
+// (rows g, g + 1; q = 0..3) touch 8 distinct 16-byte bank groups.
 template <int kD>
 struct ScanTraits {
-  static constexpr int kWarps = kD / 16, kThreads = 32 * kWarps, kCols = 8, kBlocksPerHead = kD / kCols;
-  static constexpr int kPitch = kD + 4;
-  static constexpr size_t kSmemBytes = (2 * kD + kCols) * kPitch * sizeof(float);
+  static constexpr int kComputeWarps = kD / 16, kComputeThreads = 32 * kComputeWarps;
+  static constexpr int kThreads = kComputeThreads + 32;  // + the copy warp
+  static constexpr int kCols = 8, kBlocksPerHead = kD / kCols, kPitch = kD + 16;
 };
 
-// One chain: work unit `index` = (split sequence, value head, block of kCols state columns).
 template <int kD>
-__device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t, int64_t index, float* Ms,
-                                           float* St) {
+struct ScanStorage {
+  float m[2][kD][ScanTraits<kD>::kPitch];                               // M of an exact segment, 2 buffers
+  float st[2][2][ScanTraits<kD>::kCols][ScanTraits<kD>::kPitch];        // [step parity][big, small]: S_end(s - 1)^T
+  Mbarrier m_full[2], m_empty[2];
+};
+
+constexpr uint32_t kScanComputeBarrier = 1;  // named barrier of the compute warps (0: __syncthreads)
+
+// A chain's coordinates: work unit `index` = (split sequence, value head, block of kCols columns).
+template <int kD>
+struct ScanChain {
+  int4 u;  // {n, first slot, segments}
+  int32_t h, hv;
+  int col0;
+  __device__ ScanChain(const FwdParams& p, const CpTables& t, int64_t index) {
+    hv = static_cast<int32_t>(p.Hv);
+    const int64_t unit = index / ScanTraits<kD>::kBlocksPerHead;
+    col0 = static_cast<int>(index % ScanTraits<kD>::kBlocksPerHead) * ScanTraits<kD>::kCols;
+    u = t.splits[unit / hv];
+    h = static_cast<int32_t>(unit % hv);
+  }
+  // Segment s's K x K (or K x V) fp32 matrix in one of phase 1's per-slot arrays.
+  __device__ float* at(float* base, int s, int row) const {
+    return base + ((static_cast<int64_t>(u.y + s) * hv + h) * kD + row) * kD;
+  }
+  __device__ bool exact(const CpTables& t, int s) const {
+    return s < u.z && t.warm[(static_cast<int64_t>(u.y) + s) * hv + h] == kExactSegment;
+  }
+};
+
+// The copy warp: every exact segment's M, in order, into buffer fills % 2 once the compute
+// warps have released it; each lane's copies arrive on m_full (its count is the 32 lanes).
+template <int kD>
+__device__ __forceinline__ void scan_copy_chain(const FwdParams& p, const CpTables& t, int64_t index,
+                                                ScanStorage<kD>& sm, uint32_t& fills) {
   using Tr = ScanTraits<kD>;
-  constexpr int kPitch = Tr::kPitch;
-  const int32_t hv = static_cast<int32_t>(p.Hv);
-  const int64_t unit = index / Tr::kBlocksPerHead;
-  const int col0 = static_cast<int>(index % Tr::kBlocksPerHead) * Tr::kCols;
-  const int64_t sid = unit / hv;
-  const int32_t h = static_cast<int32_t>(unit % hv);
-  const int4 u = t.splits[sid];  // {n, first slot, segments}
+  const ScanChain<kD> c(p, t, index);
+  const int lane = threadIdx.x & 31;
+  for (int s = 1; s < c.u.z; ++s) {
+    if (!c.exact(t, s)) continue;
+    const uint32_t b = fills & 1;
+    if (fills >= 2) sm.m_empty[b].wait(((fills >> 1) + 1) & 1);  // the compute warps' use of fill - 2
+    const float* src = c.at(p.cp.trans, s, 0);
+#pragma unroll 8
+    for (int i = lane; i < kD * kD / 4; i += 32) {
+      const int row = i / (kD / 4), c4 = i % (kD / 4);
+      cp_async_16(&sm.m[b][row][4 * c4], src + row * kD + 4 * c4);
+    }
+    sm.m_full[b].arrive_on_cp_async();
+    ++fills;
+  }
+}
+
+// The compute warps: S_end along the chain, M_s S_end(s - 1) on the tensor cores.
+template <int kD>
+__device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t, int64_t index,
+                                           ScanStorage<kD>& sm, uint32_t& fills) {
+  using Tr = ScanTraits<kD>;
+  const ScanChain<kD> c(p, t, index);
+  const int z = c.u.z;
   // The thread's elements, in the m16n8 accumulator layout: rows r0 and r0 + 8, columns cc, cc + 1.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int r0 = 16 * warp + g, cc = 2 * q;
-  auto at = [&](float* base, int64_t slot, int row) { return base + ((slot * hv + h) * kD + row) * kD; };
-  auto load2 = [&](int64_t slot, int row) { return *reinterpret_cast<const float2*>(at(p.cp.ends, slot, row) + col0 + cc); };
-  auto exact = [&](int s) {
-    return s < u.z && t.warm[(static_cast<int64_t>(u.y) + s) * hv + h] == kExactSegment;
-  };
-  // Copy of segment s's M into buffer s % 2 (16 bytes per thread per step).
-  auto fetch_m = [&](int s) {
-    float* dst = Ms + (s & 1) * kD * kPitch;
-    for (int i = threadIdx.x; i < kD * kD / 4; i += Tr::kThreads) {
-      const int row = i / (kD / 4), c4 = i % (kD / 4);
-      cp_async_16(dst + row * kPitch + 4 * c4, at(p.cp.trans, u.y + s, row) + 4 * c4);
-    }
-  };
-
-  // One step ahead: the next segment's N (or E) in registers, its M in shared memory, and the
-  // exactness of the one after (it decides that M's copy).
+  auto load2 = [&](int s, int row) { return *reinterpret_cast<const float2*>(c.at(p.cp.ends, s, row) + c.col0 + cc); };
   // Segment s's end state is read only where the chain needs it: a movable segment (phase 2
-  // may run it, fwd_scheduler.cuh) writes none.
-  auto needed = [&](int s) { return s + 1 >= u.z || exact(s) || exact(s + 1); };
-  float2 lo = load2(u.y, r0), hi = load2(u.y, r0 + 8), next_lo = {}, next_hi = {};
-  if (u.z > 1 && needed(1)) {
-    next_lo = load2(u.y + 1, r0);
-    next_hi = load2(u.y + 1, r0 + 8);
+  // may run it, fwd_scheduler.cuh) writes none. Exactness is read three segments ahead (x[0]
+  // is segment s's), so that no load of the flags waits on the chain.
+  bool x[4] = {c.exact(t, 1), c.exact(t, 2), c.exact(t, 3), c.exact(t, 4)};
+  float2 lo = load2(0, r0), hi = load2(0, r0 + 8), next_lo = {}, next_hi = {};
+  if (z > 1 && (z <= 2 || x[0] || x[1])) {
+    next_lo = load2(1, r0);
+    next_hi = load2(1, r0 + 8);
   }
-  bool exact_this = exact(1), exact_next = exact(2);
-  if (exact_this) fetch_m(1);
-  cp_async_commit();
-  for (int s = 1; s < u.z; ++s) {
-    const int64_t slot = u.y + s;
-    const bool run = exact_this;
-    __syncthreads();  // the previous step's reads of St and of buffer (s + 1) % 2 are done
-    if (exact_next) fetch_m(s + 1);
-    cp_async_commit();
-    exact_this = exact_next;
-    exact_next = exact(s + 2);
-    St[cc * kPitch + r0] = lo.x;
-    St[(cc + 1) * kPitch + r0] = lo.y;
-    St[cc * kPitch + r0 + 8] = hi.x;
-    St[(cc + 1) * kPitch + r0 + 8] = hi.y;
+  named_barrier_sync(kScanComputeBarrier, Tr::kComputeThreads);  // the previous chain's reads of St are done
+  for (int s = 1; s < z; ++s) {
+    const bool run = x[0];
+    // S_end(s - 1), split, into this step's St.
+    float(&sb)[Tr::kCols][Tr::kPitch] = sm.st[s & 1][0];
+    float(&ss)[Tr::kCols][Tr::kPitch] = sm.st[s & 1][1];
+    const float v[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r0 + 8 * (e >> 1), col = cc + (e & 1);
+      const uint32_t big = tf32_big(v[e]);
+      sb[col][row] = __uint_as_float(big);
+      ss[col][row] = __uint_as_float(tf32_small(v[e], big));
+    }
     lo = next_lo;
     hi = next_hi;
-    if (s + 1 < u.z && needed(s + 1)) {
-      next_lo = load2(slot + 1, r0);
-      next_hi = load2(slot + 1, r0 + 8);
+    if (s + 1 < z && (s + 2 >= z || x[1] || x[2])) {
+      next_lo = load2(s + 1, r0);
+      next_hi = load2(s + 1, r0 + 8);
     }
+    x[0] = x[1];
+    x[1] = x[2];
+    x[2] = x[3];
+    x[3] = c.exact(t, s + 4);
+    named_barrier_sync(kScanComputeBarrier, Tr::kComputeThreads);  // St is written
     if (!run) continue;
-    cp_async_wait<1>();  // this thread's copies of M_s are done (those of M_{s+1} may fly)
-    __syncthreads();     // ... and everyone's, and St is written
-    const float* M = Ms + (s & 1) * kD * kPitch + (16 * warp) * kPitch;
-    float d[4] = {lo.x, lo.y, hi.x, hi.y};  // N_s, then += M_s S_end(s - 1)
+    const uint32_t b = fills & 1;
+    sm.m_full[b].wait((fills >> 1) & 1);
+    // The k index is permuted inside each 16-wide block (the same way for M's columns and
+    // St's rows, so the sum is unchanged): lane q's A and B values of k steps 2i and 2i + 1 are
+    // the four consecutive k = 16 i + 4 q .. + 3, one 16-byte load each; all of K's fragments
+    // are loaded before the first product. Three accumulators: big big, small big, big small.
+    const float(&m)[kD][Tr::kPitch] = sm.m[b];
+    float4 ag[kD / 16], ag8[kD / 16], bb[kD / 16], bs[kD / 16];
 #pragma unroll
-    for (int k = 0; k < kD; k += 8) {
-      const float a[4] = {M[g * kPitch + k + q], M[(g + 8) * kPitch + k + q], M[g * kPitch + k + q + 4],
-                          M[(g + 8) * kPitch + k + q + 4]};
-      const float b[2] = {St[g * kPitch + k + q], St[g * kPitch + k + q + 4]};
-      mma_tf32<true>(d, a, b);
+    for (int i = 0; i < kD / 16; ++i) {
+      ag[i] = *reinterpret_cast<const float4*>(&m[16 * warp + g][16 * i + 4 * q]);
+      ag8[i] = *reinterpret_cast<const float4*>(&m[16 * warp + g + 8][16 * i + 4 * q]);
+      bb[i] = *reinterpret_cast<const float4*>(&sb[g][16 * i + 4 * q]);
+      bs[i] = *reinterpret_cast<const float4*>(&ss[g][16 * i + 4 * q]);
     }
-    lo = make_float2(d[0], d[1]);
-    hi = make_float2(d[2], d[3]);
-    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0) + col0 + cc) = lo;
-    *reinterpret_cast<float2*>(at(p.cp.ends, slot, r0 + 8) + col0 + cc) = hi;
+    float d[4] = {lo.x, lo.y, hi.x, hi.y}, e1[4] = {}, e2[4] = {};  // N_s + M_s S_end(s - 1)
+#pragma unroll
+    for (int i = 0; i < kD / 16; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        // A fragment (g, k), (g + 8, k), (g, k + 4), (g + 8, k + 4) -> physical k 16 i + 4 q + 2 jj + {0, 1}.
+        const float a[4] = {jj ? ag[i].z : ag[i].x, jj ? ag8[i].z : ag8[i].x, jj ? ag[i].w : ag[i].y,
+                            jj ? ag8[i].w : ag8[i].y};
+        uint32_t abig[4], asmall[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          abig[r] = tf32_big(a[r]);
+          asmall[r] = tf32_small(a[r], abig[r]);
+        }
+        const uint32_t b0 = __float_as_uint(jj ? bb[i].z : bb[i].x), b1 = __float_as_uint(jj ? bb[i].w : bb[i].y);
+        const uint32_t c0 = __float_as_uint(jj ? bs[i].z : bs[i].x), c1 = __float_as_uint(jj ? bs[i].w : bs[i].y);
+        mma_m16n8k8_tf32(e1, asmall, b0, b1);
+        mma_m16n8k8_tf32(e2, abig, c0, c1);
+        mma_m16n8k8_tf32(d, abig, b0, b1);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) sm.m_empty[b].arrive();  // this warp's reads of buffer b are done
+    ++fills;
+    lo = make_float2(d[0] + (e1[0] + e2[0]), d[1] + (e1[1] + e2[1]));
+    hi = make_float2(d[2] + (e1[2] + e2[2]), d[3] + (e1[3] + e2[3]));
+    *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0) + c.col0 + cc) = lo;
+    *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0 + 8) + c.col0 + cc) = hi;
   }
-  cp_async_wait<0>();
   if (!p.write_final) return;
   StateRef dst = p.ht;
-  int64_t row = u.x;
+  int64_t row = c.u.x;
   if (p.state_idx != nullptr) {
     dst = p.h0;
-    row = cuda::load_index(p.state_idx, p.state_idx_dtype, u.x);
+    row = cuda::load_index(p.state_idx, p.state_idx_dtype, c.u.x);
   }
   if (row < 0 || dst.data == nullptr) return;
   const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
   for (int e = 0; e < 4; ++e)
     cuda::store_from_float(dst.data, dst.dtype,
-                           state_offset(dst, row, h, r0 + 8 * (e >> 1), col0 + cc + (e & 1), p.v_first), v[e]);
+                           state_offset(dst, row, c.h, r0 + 8 * (e >> 1), c.col0 + cc + (e & 1), p.v_first), v[e]);
 }
 
 // The grid is at most what fits on the SMs at once, and each CTA walks the units blockIdx.x,
 // blockIdx.x + gridDim.x, .. below the plan's count: the host knows only a bound on the splits
 // (max_splits, from the shapes), and a grid of one CTA per bounded unit was mostly CTAs that
 // found no split and exited (at 2/8 1x32768: 3840 of 3968). Dropping them measured no faster
-// (bench/NOTES.md, CP step 6); it is kept as the simpler launch for the same bits.
+// (bench/NOTES.md, CP step 6); it is kept as the simpler launch for the same bits. The copy warp
+// walks the same units, so its count of M fills matches the compute warps' count of uses.
 template <int kD>
 __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const __grid_constant__ FwdParams p,
                                                                            CpTables t) {
   using Tr = ScanTraits<kD>;
   extern __shared__ float4 scan_smem[];
-  float* Ms = reinterpret_cast<float*>(scan_smem);  // [2][kD][kPitch]: M of this and the next segment
-  float* St = Ms + 2 * kD * Tr::kPitch;              // [kCols][kPitch]: S_end(s - 1)^T
-  const int64_t units = static_cast<int64_t>(t.plan[kPlanSplits]) * p.Hv * Tr::kBlocksPerHead;
-  for (int64_t index = blockIdx.x; index < units; index += gridDim.x) {
-    scan_chain<kD>(p, t, index, Ms, St);
-    __syncthreads();  // the next chain's copies overwrite Ms and St
+  ScanStorage<kD>& sm = *reinterpret_cast<ScanStorage<kD>*>(scan_smem);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      sm.m_full[b].init(32);                   // the copy warp's lanes
+      sm.m_empty[b].init(Tr::kComputeWarps);  // a lane of each compute warp
+    }
   }
+  __syncthreads();
+  const int64_t units = static_cast<int64_t>(t.plan[kPlanSplits]) * p.Hv * Tr::kBlocksPerHead;
+  const bool copier = threadIdx.x >= Tr::kComputeThreads;
+  uint32_t fills = 0;  // M buffers filled (copy warp) or used (compute warps) so far
+  for (int64_t index = blockIdx.x; index < units; index += gridDim.x) {
+    if (copier)
+      scan_copy_chain<kD>(p, t, index, sm, fills);
+    else
+      scan_chain<kD>(p, t, index, sm, fills);
+  }
+  if (copier) cp_async_wait<0>();  // no copy outlives its issuing thread
 }
 
 }  // namespace
@@ -645,14 +734,14 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
 
 template <int kD>
 void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  constexpr size_t bytes = ScanTraits<kD>::kSmemBytes;
+  constexpr size_t bytes = sizeof(ScanStorage<kD>);
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_scan_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
   // Resident CTAs per SM: a property of the kernel and sm_90, the only architecture it runs on.
   static const int per_sm = [] {
     int n = 0;
     FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_scan_kernel<kD>, ScanTraits<kD>::kThreads,
-                                                                  ScanTraits<kD>::kSmemBytes));
+                                                                  sizeof(ScanStorage<kD>)));
     return n;
   }();
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);

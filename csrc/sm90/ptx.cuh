@@ -47,6 +47,11 @@ struct alignas(8) Mbarrier {
                  "r"(bytes)
                  : "memory");
   }
+  // One arrival when all of this thread's earlier cp.async copies have landed; noinc: the
+  // arrival is one of the count given to init, not an extra one.
+  __device__ __forceinline__ void arrive_on_cp_async() {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(this)) : "memory");
+  }
   // Blocks until the phase with the given parity has completed.
   __device__ __forceinline__ void wait(uint32_t parity) {
     asm volatile(
