@@ -28,9 +28,10 @@ namespace flashgdn::sm90 {
 
 constexpr double kCpFixedSteps = 2.0;
 constexpr double kCpFillSteps = 2.0;
-// A scan step against a chunk-step, as measured (Nsight Compute, H100, 2/8 1x32768: ~4.4 us a
-// scan step, ~5.8 us a chunk-step of phase 1; bench/NOTES.md, CP step 4).
-constexpr double kCpScanSteps = 0.75;
+// A scan step against a chunk-step, as measured (clock64 timelines, H100, 2/8 1x8192: ~2900
+// cycles a scan step, ~6400 a chunk of a chain; bench/NOTES.md step 16. It was 0.75 before the
+// scan's copy warp).
+constexpr double kCpScanSteps = 0.45;
 // A split must beat no split by this factor.
 constexpr double kCpMinGain = 0.9;
 // cp.plan[kPlanChunks] when nothing splits.

@@ -77,24 +77,25 @@ std::vector<int32_t> bench_gates(int hv) {
 
 TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
   // 16/64 1x32768: L_min = 64 (a quarter of 249 balanced steps is 62); 8 segments of 64; 255
-  // middle warm-up CTAs move to phase 2, beside head 0's second pass: 275 of 514 steps.
+  // middle warm-up CTAs move to phase 2, beside head 0's second pass: 273 of 514 steps (275
+  // with the scan step priced at 0.75 chunk-steps, before step 16).
   // (Step 4, before the move: 2.56 ms unsplit -> 1.80 ms, 0.70; model then 0.66. Step 5b,
   // with the move counted to the CTA: 2.42 -> 1.40 ms, 0.58.)
   Choice r = plan({{32768}, bench_gates(64)});
   EXPECT_EQ(r.min_chunks, 64);
   EXPECT_EQ(r.chunks, 64);
-  EXPECT_NEAR(r.cost / r.unsplit, 0.536, 0.005);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.531, 0.005);
   // 2/8 1x32768: L_min = 16; 32 segments. (Step 4: 2.50 -> 0.531 ms, 0.21; model then 0.20.
   // Step 5b: 2.37 -> 0.424 ms, 0.18.)
   r = plan({{32768}, bench_gates(8)});
   EXPECT_EQ(r.min_chunks, 16);
   EXPECT_EQ(r.chunks, 16);
-  EXPECT_NEAR(r.cost / r.unsplit, 0.160, 0.005);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.142, 0.005);
   // 8/32 1x32768: L = 32; 542 CTAs need 5 waves with or without the move.
   // (Step 4: 2.56 -> 1.01 ms, 0.40; model then 0.36.)
   r = plan({{32768}, bench_gates(32)});
   EXPECT_EQ(r.chunks, 32);
-  EXPECT_NEAR(r.cost / r.unsplit, 0.366, 0.005);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.357, 0.005);
 }
 
 TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {
