@@ -110,6 +110,47 @@ FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, 
   return cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, n, hv, sms);
 }
 
+// The CP pipeline's own cost beyond kCpFixedSteps, paid whether or not the plan then splits
+// (bounds, certificate and plan kernels, the scan and second-pass launches): ~40 us measured at
+// 16/64 1x2048, where the plan split nothing (0.163 ms against 0.122 with CP off; bench/NOTES.md
+// step 17), ~12 chunk-steps of ~3.4 us.
+constexpr double kCpPipelineSteps = 10.0;
+
+// Sequences of equal length, for the host's test below (a dense batch is one group).
+struct CpSeqGroup {
+  int64_t chunks, count;
+};
+
+// Whether a split can pay at all, decided on the host before the pipeline is launched: the best
+// case of each candidate L = min_chunks 2^i, every (boundary, head) certified within one chunk
+// (so no transfer matrix, no multiplying scan step, no second pass), must beat no split by
+// kCpMinGain after the pipeline's own cost. The gates only make a split dearer than this (exact
+// segments, longer warm-ups), so where the best case does not pay the plan could only lose.
+inline bool cp_best_case_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks,
+                              int candidates, int sms) {
+  double sum_c = 0.0, max_c = 0.0, n = 0.0;
+  for (int64_t i = 0; i < n_groups; ++i) {
+    sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
+    max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
+    n += static_cast<double>(groups[i].count);
+  }
+  const double bar = kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+  for (int c = 0; c < candidates; ++c) {
+    const int64_t L = static_cast<int64_t>(min_chunks) << c;
+    CpCandidateStats best = {};
+    for (int64_t i = 0; i < n_groups; ++i) {
+      const int64_t segs = groups[i].chunks > L ? (groups[i].chunks + L - 1) / L : 1;
+      const auto count = static_cast<unsigned long long>(groups[i].count);
+      best.items += static_cast<unsigned long long>(segs) * count;
+      best.warm_chunks += static_cast<unsigned long long>(segs - 1) * count * static_cast<unsigned long long>(hv);
+    }
+    best.warm_max = best.warm_chunks > 0 ? 1 : 0;
+    const double cost = cp_candidate_steps(best, c, min_chunks, sum_c, max_c, hv, sms);
+    if (cost >= 0.0 && cost + kCpPipelineSteps < bar) return true;
+  }
+  return false;
+}
+
 // The shortest candidate: the smallest power of two, at least 4, above a quarter of the
 // balanced load (chunk-steps per SM if every chain were spread evenly).
 FGDN_HOST_DEVICE inline int32_t cp_min_chunks(int64_t balanced) {

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <vector>
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
@@ -699,13 +700,28 @@ CpLayout cp_layout(const Problem& p, int sms) {
   }
   const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
+  const int64_t C = ceil_div(p.T, 64);
+  // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
+  // workspace query, which sizes for the pipeline), no pipeline where even its best case cannot
+  // pay for itself. Under CUDA graph capture this is decided from the capture's lengths.
+  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && (!p.varlen || p.have_host_seqlens)) {
+    std::vector<CpSeqGroup> groups;
+    if (!p.varlen) {
+      groups.push_back({C, p.B});
+    } else {
+      groups.reserve(static_cast<size_t>(p.N));
+      for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
+    }
+    if (!cp_best_case_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
+                           c.min_chunks, c.candidates, sms))
+      return c;
+  }
   c.enabled = true;
   const int64_t L = c.min_chunks;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
   // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
   // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
   // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
-  const int64_t C = ceil_div(p.T, 64);
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   c.max_splits = sum_c / (L + 1) + 1;

@@ -373,6 +373,24 @@ def test_cuda_graph_context_parallel_new_seqlens():
     assert not torch.equal(eager[0], off[0]), "CP on gave the bits of CP off: nothing split"
 
 
+@pytest.mark.parametrize("shape", [dict(B=8, T=2048, Hq=2, Hv=6), dict(lengths=[4096] * 8, Hq=4, Hv=16)],
+                         ids=["dense-2x6-B8x2048", "varlen-4x16-8x4096"])
+def test_cp_auto_runs_no_pipeline_where_no_split_can_pay(shape):
+    """Automatic CP launches its pipeline only where the best case of a split pays for it
+    (cp_best_case_pays; bench/NOTES.md step 17: at these shapes the split lost to CP off). So auto
+    gives CP off's bits, while a forced split (CP on, 256-token segments) gives others."""
+    c = make_case(K=128, V=128, device=DEV, l2norm=True, **shape)
+    kw = dict(initial_state=c.initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if c.cu_seqlens is not None:
+        kw.update(cu_seqlens=c.cu_seqlens, cu_seqlens_cpu=c.cu_seqlens_host)
+    auto = chunk_gated_delta_rule(*c.inputs(), **kw)
+    off = chunk_gated_delta_rule(*c.inputs(), context_parallel=False, **kw)
+    split = chunk_gated_delta_rule(*c.inputs(), context_parallel=True, cp_segment=256, **kw)
+    assert torch.equal(auto[0], off[0]), "o: automatic CP did not give CP off's bits"
+    assert torch.equal(auto[1], off[1]), "final state: automatic CP did not give CP off's bits"
+    assert not torch.equal(split[0], off[0]), "a forced split gave CP off's bits: the test cannot see a pipeline"
+
+
 def test_torch_compile_cuda():
     c = make_case(lengths=PACK, Hq=4, Hv=16, K=128, V=128, device=DEV, gate_in_kernel=True, l2norm=True)
     leaves = [x.detach().clone().requires_grad_() for x in c.inputs()]
