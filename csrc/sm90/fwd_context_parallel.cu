@@ -14,6 +14,7 @@
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
+#include "sm90/dependent_launch.h"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
 #include "sm90/fwd_scheduler.cuh"
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int base;
+  launch_dependents();  // the first of the pipeline: launched behind the caller's work as usual
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
   for (int64_t n0 = 0; n0 < seq.N; n0 += kPlanThreads) {
@@ -120,6 +122,8 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
                                                                       CpTables t, int32_t min_chunks,
                                                                       int32_t window) {
   __shared__ float chunk_gate[kCertifyMaxChunks][32];  // +inf: a beta outside [0, 2]
+  grid_dependency_wait();  // the boundaries
+  launch_dependents();
   const int64_t b = blockIdx.x;
   if (b >= t.plan[kPlanBounds]) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -266,6 +270,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   } tmp;
   __shared__ int chosen;
   __shared__ int base[4];
+  grid_dependency_wait();  // the certificates
+  launch_dependents();
   const int64_t N = seq.N;
 
   if (candidates == 1) {
@@ -667,6 +673,8 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
     }
   }
   __syncthreads();
+  grid_dependency_wait();  // phase 1's segment states and transfer matrices
+  launch_dependents();
   const int64_t units = static_cast<int64_t>(t.plan[kPlanSplits]) * p.Hv * Tr::kBlocksPerHead;
   const bool copier = threadIdx.x >= Tr::kComputeThreads;
   uint32_t fills = 0;  // M buffers filled (copy warp) or used (compute warps) so far
@@ -738,14 +746,14 @@ void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t,
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   if (c.max_bounds == 0) return;
   const dim3 grid(static_cast<unsigned>(c.max_bounds), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
-  cp_certify_kernel<<<grid, kCertifyThreads, 0, stream>>>(fp, t, c.min_chunks, c.window);
-  FGDN_CHECK_LAUNCH("cp_certify_kernel");
+  launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
+                   c.min_chunks, c.window);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_plan_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.min_chunks,
-                                                  c.candidates, c.max_items, c.max_slots, c.max_splits, t);
-  FGDN_CHECK_LAUNCH("cp_plan_kernel");
+  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, "cp_plan_kernel", fp.seq,
+                   static_cast<int32_t>(fp.Hv), c.sms, c.min_chunks, c.candidates, c.max_items, c.max_slots,
+                   c.max_splits, t);
 }
 
 template <int kD>
@@ -761,8 +769,8 @@ void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t,
     return n;
   }();
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
-  cp_scan_kernel<kD><<<static_cast<unsigned>(grid), ScanTraits<kD>::kThreads, bytes, stream>>>(fp, t);
-  FGDN_CHECK_LAUNCH("cp_scan_kernel");
+  launch_dependent(cp_scan_kernel<kD>, dim3(static_cast<unsigned>(grid)), dim3(ScanTraits<kD>::kThreads), bytes,
+                   stream, "cp_scan_kernel", fp, t);
 }
 
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {

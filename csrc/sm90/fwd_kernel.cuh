@@ -46,6 +46,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     fence_barrier_init();
   }
   __syncthreads();
+  // Launched after the CP pipeline's kernels, pack_rows or the caller's: nothing in global
+  // memory is read before the grid ahead has completed (dependent_launch.h).
+  grid_dependency_wait();
+  launch_dependents();
 
   // Every role walks the CTA's work items itself (fwd_scheduler.cuh), after taking its register
   // budget (a value computed before the split would have to survive the producer's 24 registers).

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"
+#include "sm90/dependent_launch.h"
 #include "sm90/fwd_instantiate.h"
 #include "sm90/fwd_kernel.cuh"
 
@@ -14,8 +15,7 @@ void launch_traits(const FwdParams& fp, int64_t ctas, cudaStream_t stream) {
   auto kern = gdn_fwd_kernel<Tr>;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-  kern<<<static_cast<unsigned>(ctas), Tr::kThreads, smem, stream>>>(fp);
-  FGDN_CHECK_LAUNCH("gdn_fwd_kernel");
+  launch_dependent(kern, dim3(static_cast<unsigned>(ctas)), dim3(Tr::kThreads), smem, stream, "gdn_fwd_kernel", fp);
 }
 
 template <int kD, typename Tin>
