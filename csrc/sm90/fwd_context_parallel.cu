@@ -67,35 +67,36 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 
 // ---- certificate -----------------------------------------------------------------------------
 // A CTA per (boundary, up to 32 value heads). g and beta rows are [token][head]: a warp covers
-// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load), and
-// warp w sums the gates of chunks w + 1, w + 9, .. back from the boundary (window chunks in all)
-// and checks 0 <= beta <= 2 there. Warp 0 then walks the chunks in order: W = the fewest chunks
+// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load). Each
+// of the window's chunks (back from the boundary) is split into P parts of 64 / P tokens, P as
+// large as 32 warps allow (at most 8), and warp w sums the gates of part w % P of chunk w / P and
+// checks 0 <= beta <= 2 there: a few rounds of loads a warp instead of 16 (bench/NOTES.md, step
+// 19). Warp 0 then adds each chunk's parts in order and walks the chunks: W = the fewest chunks
 // whose summed (floored) gate reaches kCertifyLogDecay with no refused beta among them and the
 // keys L2-normalised in the kernel; else the exact path.
-constexpr int kCertifyThreads = 256;
+constexpr int kCertifyThreads = 1024, kCertifyMaxParts = 8;
 
-// Summed gate and the beta test over one chunk's tokens t0 + i (i = 0, step, .. < 64) of head h,
-// with the storage dtypes as template parameters: a run-time dtype switch per load would keep
-// only one load in flight. (2 x 32 loads in flight a lane instead of 2 x 8 measured slower:
-// bench/NOTES.md, step 12b.)
+// Summed gate and the beta test over tokens t0 + i (i = 0, step, .. < n) of head h, with the
+// storage dtypes as template parameters: a run-time dtype switch per load would keep only one
+// load in flight. (2 x 32 loads in flight a lane instead of 2 x 8 measured slower: step 12b.)
 template <typename TG, typename TB>
-__device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int64_t t0, int step, int32_t h,
-                                              float dt_bias, float A_log, float& g, bool& ok) {
+__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int n, int step,
+                                               int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
   constexpr int kBatch = 8;
   const TG* gp = static_cast<const TG*>(p.g) + b * p.gs0 + h * p.gs2;
   const TB* bp = static_cast<const TB*>(p.beta) + b * p.bs0 + h * p.bs2;
-  for (int i0 = 0; i0 < 64; i0 += kBatch * step) {
+  for (int i0 = 0; i0 < n; i0 += kBatch * step) {
     float gv[kBatch], bv[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {  // loads first: the test must not make the next load wait
       const int64_t t = t0 + i0 + u * step;
-      const bool in = i0 + u * step < 64;
+      const bool in = i0 + u * step < n;
       gv[u] = in ? cuda::to_float(gp[t * p.gs1]) : 0.f;
       bv[u] = in ? cuda::to_float(bp[t * p.bs1]) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (i0 + u * step >= 64) continue;
+      if (i0 + u * step >= n) continue;
       g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
       ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
     }
@@ -103,25 +104,19 @@ __device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int
 }
 
 template <typename TG>
-__device__ __forceinline__ void certify_chunk(const FwdParams& p, int64_t b, int64_t t0, int step, int32_t h,
-                                              float dt_bias, float A_log, float& g, bool& ok) {
+__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int n, int step,
+                                               int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
   switch (p.beta_dtype) {
-    case FGDN_BFLOAT16: return certify_chunk<TG, __nv_bfloat16>(p, b, t0, step, h, dt_bias, A_log, g, ok);
-    case FGDN_FLOAT16: return certify_chunk<TG, __half>(p, b, t0, step, h, dt_bias, A_log, g, ok);
-    default: return certify_chunk<TG, float>(p, b, t0, step, h, dt_bias, A_log, g, ok);
+    case FGDN_BFLOAT16: return certify_tokens<TG, __nv_bfloat16>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
+    case FGDN_FLOAT16: return certify_tokens<TG, __half>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
+    default: return certify_tokens<TG, float>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
   }
 }
 
-// A CTA per (boundary, up to 32 value heads). g and beta rows are [token][head]: a warp covers
-// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load), and
-// warp w sums the gates of chunks w + 1, w + 9, .. back from the boundary (window chunks in all)
-// and checks 0 <= beta <= 2 there. Warp 0 then walks the chunks in order: W = the fewest chunks
-// whose summed (floored) gate reaches kCertifyLogDecay with no refused beta among them and the
-// keys L2-normalised in the kernel; else the exact path.
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
                                                                       CpTables t, int32_t min_chunks,
                                                                       int32_t window) {
-  __shared__ float chunk_gate[kCertifyMaxChunks][32];  // +inf: a beta outside [0, 2]
+  __shared__ float part_gate[kCertifyMaxChunks][kCertifyMaxParts][32];  // +inf: a beta outside [0, 2]
   grid_dependency_wait();  // the boundaries
   launch_dependents();
   const int64_t b = blockIdx.x;
@@ -134,32 +129,36 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const int lanes_t = 32 / hw;  // tokens per warp-wide load
   const int hl = lane % hw, tsub = lane / hw;
   const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
+  int parts = 1;
+  while (parts < kCertifyMaxParts && 2 * parts * window <= kCertifyThreads / 32) parts *= 2;
+  const int part_tokens = 64 / parts;
   const int4 r = t.bounds[b];
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
   const int64_t first = si.t0 + static_cast<int64_t>(r.y) * min_chunks * 64;  // the segment's first token
-  if (p.l2norm) {
+  if (p.l2norm && warp < window * parts) {
+    const int w = warp / parts, part = warp % parts;  // chunk w + 1 back from the boundary
     float dt_bias = 0.f, A_log = 0.f;
     if (p.gate_in_kernel && hl < heads) {
       dt_bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
       A_log = p.A_log[h];
     }
-    for (int w = warp; w < window; w += kCertifyThreads / 32) {
-      const int64_t t0 = first - 64 * static_cast<int64_t>(w + 1) + tsub;
-      float g = 0.f;
-      bool ok = true;
-      if (hl < heads) {
-        switch (p.g_dtype) {
-          case FGDN_BFLOAT16: certify_chunk<__nv_bfloat16>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
-          case FGDN_FLOAT16: certify_chunk<__half>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
-          default: certify_chunk<float>(p, si.b, t0, lanes_t, h, dt_bias, A_log, g, ok); break;
-        }
+    const int64_t t0 = first - 64 * static_cast<int64_t>(w + 1) + part * part_tokens + tsub;
+    float g = 0.f;
+    bool ok = true;
+    if (hl < heads) {
+      switch (p.g_dtype) {
+        case FGDN_BFLOAT16:
+          certify_tokens<__nv_bfloat16>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok);
+          break;
+        case FGDN_FLOAT16: certify_tokens<__half>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok); break;
+        default: certify_tokens<float>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok); break;
       }
-      for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head
-        g += __shfl_xor_sync(0xffffffffu, g, m);
-        ok &= __shfl_xor_sync(0xffffffffu, static_cast<int>(ok), m) != 0;
-      }
-      if (tsub == 0) chunk_gate[w][hl] = ok ? g : INFINITY;
     }
+    for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head
+      g += __shfl_xor_sync(0xffffffffu, g, m);
+      ok &= __shfl_xor_sync(0xffffffffu, static_cast<int>(ok), m) != 0;
+    }
+    if (tsub == 0) part_gate[w][part][hl] = ok ? g : INFINITY;
   }
   __syncthreads();
   if (warp != 0 || lane >= heads) return;
@@ -167,7 +166,8 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   if (p.l2norm) {
     float decay = 0.f;
     for (int w = 0; w < window; ++w) {
-      const float g = chunk_gate[w][lane];
+      float g = 0.f;
+      for (int part = 0; part < parts; ++part) g += part_gate[w][part][lane];  // in order: the same bits every run
       if (g == INFINITY) break;
       decay += g;
       if (decay <= kCertifyLogDecay) {
