@@ -599,8 +599,9 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
     sm.m_full[b].wait((fills >> 1) & 1);
     // The k index is permuted inside each 16-wide block (the same way for M's columns and
     // St's rows, so the sum is unchanged): lane q's A and B values of k steps 2i and 2i + 1 are
-    // the four consecutive k = 16 i + 4 q .. + 3, one 16-byte load each; all of K's fragments
-    // are loaded before the first product. Three accumulators: big big, small big, big small.
+    // the four consecutive k = 16 i + 4 q .. + 3, one 16-byte load each (32 LDS.128 a warp
+    // instead of 128 LDS; the compiler interleaves them with the products). Three accumulators:
+    // big big, small big, big small.
     const float(&m)[kD][Tr::kPitch] = sm.m[b];
     float4 ag[kD / 16], ag8[kD / 16], bb[kD / 16], bs[kD / 16];
 #pragma unroll
@@ -764,8 +765,8 @@ void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t,
   // Resident CTAs per SM: a property of the kernel and sm_90, the only architecture it runs on.
   static const int per_sm = [] {
     int n = 0;
-    FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_scan_kernel<kD>, ScanTraits<kD>::kThreads,
-                                                                  sizeof(ScanStorage<kD>)));
+    FGDN_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_scan_kernel<kD>, ScanTraits<kD>::kThreads, bytes));
     return n;
   }();
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
