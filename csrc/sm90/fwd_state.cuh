@@ -54,15 +54,27 @@ __device__ __forceinline__ void state_fragments(const float (&x)[32], int s, int
 }
 
 template <class Tr>
-__device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& w,
+__device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, const WorkItem& item,
                                           int32_t c0, int sw, int tid) {
+  // With a split state (`high`), the item's fields broadcast from lane 0: the compiler then keeps
+  // them in uniform registers, not in the state role's vector registers, which split operands
+  // fill (bench/NOTES.md step 20). `fast` has registers to spare and keeps its own allocation.
+  WorkItem w = item;
+  if constexpr (Tr::kSplitState) {
+    for (int32_t* f : {&w.n, &w.h, &w.hq, &w.b, &w.t0, &w.len, &w.nchunks, &w.out_chunk0, &w.seq_chunk0,
+                       &w.init, &w.end, &w.slot})
+      *f = __shfl_sync(0xffffffffu, *f, 0);
+    c0 = __shfl_sync(0xffffffffu, c0, 0);
+  }
   using Tin = typename Tr::Tin;
   constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
   constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
 
   // ---- initial state ---------------------------------------------------------------------
+  // Per-item values used after the chunk loop (the pool row, the checkpoints' first row) are
+  // computed where they are used, not held across the loop: at `high`'s 192 registers they were
+  // the state role's only spills (bench/results/sass/README.md).
   const StateSource src = initial_state_source(p, w);
-  const int64_t h0_row = w.init == kInitH0 ? src.row : -1;  // the pool row written back at the end
   float S[kB][32];
   if (w.init == kInitH0 || w.init == kInitPrevEnd) {
     load_state(S, src.ref, src.row, w.h, src.v_first, sw, tid);
@@ -73,10 +85,6 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   // The transfer matrix's walk reads V as zero: S_C = M S_0 + N is linear in (S_0, V), and
   // from S_0 = I with V = 0 the walk ends at M.
   const float vscale = w.init == kInitIdentity ? 0.f : 1.f;
-  int64_t ck_base = 0;
-  if (p.ckpt.data != nullptr)
-    ck_base = p.ckpt_offset != nullptr ? p.ckpt_offset[w.n] : w.n * (p.seq.T / p.every);
-
   for (int32_t j = 0; j < w.nchunks; ++j) {
     const RingPos<Tr::kInStages> pin(c0 + j);
     const RingPos<Tr::kLocalStages> ploc(c0 + j);
@@ -235,8 +243,10 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     sm.in_empty[pin.stage].arrive();
     if (p.ckpt.data != nullptr && owned && len == 64) {
       const int64_t done = 64 * static_cast<int64_t>(w.seq_chunk0 + j + 1);
-      if (done % p.every == 0)
+      if (done % p.every == 0) {
+        const int64_t ck_base = p.ckpt_offset != nullptr ? p.ckpt_offset[w.n] : w.n * (p.seq.T / p.every);
         store_state(S, p.ckpt, ck_base + done / p.every - 1, w.h, p.v_first, sw, tid_j);
+      }
     }
   }
 
@@ -247,7 +257,8 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     store_state(S, cp_state_ref(p, p.cp.trans), w.slot, w.h, 0, sw, tid);
   } else if (w.end == kEndFinal && p.write_final) {
     if (p.state_idx != nullptr) {
-      if (h0_row >= 0) store_state(S, p.h0, h0_row, w.h, p.v_first, sw, tid);
+      const int64_t row = w.init == kInitH0 ? initial_state_source(p, w).row : -1;  // the pool row read
+      if (row >= 0) store_state(S, p.h0, row, w.h, p.v_first, sw, tid);
     } else if (p.ht.data != nullptr) {
       store_state(S, p.ht, w.n, w.h, p.v_first, sw, tid);
     }
