@@ -88,11 +88,15 @@ FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int
   return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms);
 }
 
+// What a split must cost less than: kCpMinGain x no split.
+FGDN_HOST_DEVICE inline double cp_split_bar(double sum_c, double max_c, double n, double hv, int sms) {
+  return kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+}
+
 // The plan's choice from the candidates' costs: the cheapest L = min_chunks 2^i that splits
-// something and costs under kCpMinGain x no split (the first of equal costs); else kCpNoSplit.
-FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidates, int32_t min_chunks, double sum_c,
-                                               double max_c, double n, double hv, int sms) {
-  double best = kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+// something and costs under the bar (the first of equal costs); else kCpNoSplit.
+FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, int candidates, int32_t min_chunks, double bar) {
+  double best = bar;
   int32_t chosen = kCpNoSplit;
   for (int i = 0; i < candidates; ++i) {
     if (cost[i] >= 0.0 && cost[i] < best) {
@@ -101,6 +105,11 @@ FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidate
     }
   }
   return chosen;
+}
+
+FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidates, int32_t min_chunks, double sum_c,
+                                               double max_c, double n, double hv, int sms) {
+  return cp_pick_from(cost, candidates, min_chunks, cp_split_bar(sum_c, max_c, n, hv, sms));
 }
 
 FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
@@ -134,7 +143,7 @@ inline bool cp_best_case_pays(const CpSeqGroup* groups, int64_t n_groups, double
     max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
     n += static_cast<double>(groups[i].count);
   }
-  const double bar = kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+  const double bar = cp_split_bar(sum_c, max_c, n, hv, sms);
   for (int c = 0; c < candidates; ++c) {
     const int64_t L = static_cast<int64_t>(min_chunks) << c;
     CpCandidateStats best = {};

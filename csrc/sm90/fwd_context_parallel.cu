@@ -66,60 +66,61 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 }
 
 // ---- certificate -----------------------------------------------------------------------------
-// A CTA per (boundary, up to 32 value heads). g and beta rows are [token][head]: a warp covers
-// hw = min(32, pow2 >= Hv) heads and 32 / hw tokens at once (one coalesced row per load). Each
-// of the window's chunks (back from the boundary) is split into P parts of 64 / P tokens, P as
-// large as 32 warps allow (at most 8), and warp w sums the gates of part w % P of chunk w / P and
-// checks 0 <= beta <= 2 there: a few rounds of loads a warp instead of 16 (bench/NOTES.md, step
-// 19). Warp 0 then adds each chunk's parts in order and walks the chunks: W = the fewest chunks
-// whose summed (floored) gate reaches kCertifyLogDecay with no refused beta among them and the
-// keys L2-normalised in the kernel; else the exact path.
-constexpr int kCertifyThreads = 1024, kCertifyMaxParts = 8;
+// A CTA per (boundary, chunk w + 1 back from it, up to 32 value heads): the chunk's summed
+// (floored) gate of each head, or +inf where a beta lies outside [0, 2] or the keys are not
+// L2-normalised in the kernel, into t.chunk_gate. The plan walks them (cp_warm_up). One chunk a
+// CTA spreads a boundary's window over up to 16 SMs: one CTA reading the whole window (128-256 KB
+// of g and beta at 16/64) took ~10 us at ~13-30 GB/s (bench/NOTES.md, step 21).
+// g and beta rows are [token][head]: a warp covers hw = min(32, pow2 >= Hv) heads and 32 / hw
+// tokens at once (one coalesced row per load), 8 of the chunk's tokens a warp.
+constexpr int kCertifyThreads = 256, kCertifyWarps = kCertifyThreads / 32, kCertifyWarpTokens = 64 / kCertifyWarps;
 
-// Summed gate and the beta test over tokens t0 + i (i = 0, step, .. < n) of head h, with the
+// Summed gate and the beta test over the warp's tokens t0 + i, i = sub, sub + step, .. < 8, of
+// head h (sub: the lane's token row, step: the tokens one load covers; with one or two heads a
+// load covers more than the warp's 8 tokens and the lanes past them load nothing), with the
 // storage dtypes as template parameters: a run-time dtype switch per load would keep only one
-// load in flight. (2 x 32 loads in flight a lane instead of 2 x 8 measured slower: step 12b.)
+// load in flight.
 template <typename TG, typename TB>
-__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int n, int step,
+__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int sub, int step,
                                                int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
-  constexpr int kBatch = 8;
+  constexpr int kBatch = kCertifyWarpTokens;
   const TG* gp = static_cast<const TG*>(p.g) + b * p.gs0 + h * p.gs2;
   const TB* bp = static_cast<const TB*>(p.beta) + b * p.bs0 + h * p.bs2;
-  for (int i0 = 0; i0 < n; i0 += kBatch * step) {
-    float gv[kBatch], bv[kBatch];
+  float gv[kBatch], bv[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {  // loads first: the test must not make the next load wait
-      const int64_t t = t0 + i0 + u * step;
-      const bool in = i0 + u * step < n;
-      gv[u] = in ? cuda::to_float(gp[t * p.gs1]) : 0.f;
-      bv[u] = in ? cuda::to_float(bp[t * p.bs1]) : 0.f;
-    }
+  for (int u = 0; u < kBatch; ++u) {  // loads first: the test must not make the next load wait
+    const int i = sub + u * step;
+    const int64_t t = t0 + i;
+    const bool in = i < kBatch;
+    gv[u] = in ? cuda::to_float(gp[t * p.gs1]) : 0.f;
+    bv[u] = in ? cuda::to_float(bp[t * p.bs1]) : 0.f;
+  }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (i0 + u * step >= n) continue;
-      g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
-      ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
-    }
+  for (int u = 0; u < kBatch; ++u) {
+    if (sub + u * step >= kBatch) continue;
+    g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
+    ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
   }
 }
 
 template <typename TG>
-__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int n, int step,
+__device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int sub, int step,
                                                int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
   switch (p.beta_dtype) {
-    case FGDN_BFLOAT16: return certify_tokens<TG, __nv_bfloat16>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
-    case FGDN_FLOAT16: return certify_tokens<TG, __half>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
-    default: return certify_tokens<TG, float>(p, b, t0, n, step, h, dt_bias, A_log, g, ok);
+    case FGDN_BFLOAT16: return certify_tokens<TG, __nv_bfloat16>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
+    case FGDN_FLOAT16: return certify_tokens<TG, __half>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
+    default: return certify_tokens<TG, float>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
   }
 }
 
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
                                                                       CpTables t, int32_t min_chunks,
                                                                       int32_t window) {
-  __shared__ float part_gate[kCertifyMaxChunks][kCertifyMaxParts][32];  // +inf: a beta outside [0, 2]
+  __shared__ float warp_gate[kCertifyWarps][32];  // +inf: a beta outside [0, 2]
   grid_dependency_wait();  // the boundaries
   launch_dependents();
-  const int64_t b = blockIdx.x;
+  const int64_t b = blockIdx.x / window;
+  const int w = static_cast<int>(blockIdx.x % window);
   if (b >= t.plan[kPlanBounds]) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -129,54 +130,55 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const int lanes_t = 32 / hw;  // tokens per warp-wide load
   const int hl = lane % hw, tsub = lane / hw;
   const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
-  int parts = 1;
-  while (parts < kCertifyMaxParts && 2 * parts * window <= kCertifyThreads / 32) parts *= 2;
-  const int part_tokens = 64 / parts;
   const int4 r = t.bounds[b];
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
-  const int64_t first = si.t0 + static_cast<int64_t>(r.y) * min_chunks * 64;  // the segment's first token
-  if (p.l2norm && warp < window * parts) {
-    const int w = warp / parts, part = warp % parts;  // chunk w + 1 back from the boundary
+  // The chunk's first token: the segment starts at token k L_min 64 of the sequence, and k >= 1,
+  // w < window <= L_min keep the window inside it.
+  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * min_chunks - (w + 1)) * 64 + warp * kCertifyWarpTokens;
+  float g = 0.f;
+  bool ok = p.l2norm != 0;
+  if (ok && hl < heads) {
     float dt_bias = 0.f, A_log = 0.f;
-    if (p.gate_in_kernel && hl < heads) {
+    if (p.gate_in_kernel) {
       dt_bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
       A_log = p.A_log[h];
     }
-    const int64_t t0 = first - 64 * static_cast<int64_t>(w + 1) + part * part_tokens + tsub;
-    float g = 0.f;
-    bool ok = true;
-    if (hl < heads) {
-      switch (p.g_dtype) {
-        case FGDN_BFLOAT16:
-          certify_tokens<__nv_bfloat16>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok);
-          break;
-        case FGDN_FLOAT16: certify_tokens<__half>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok); break;
-        default: certify_tokens<float>(p, si.b, t0, part_tokens, lanes_t, h, dt_bias, A_log, g, ok); break;
-      }
+    switch (p.g_dtype) {
+      case FGDN_BFLOAT16:
+        certify_tokens<__nv_bfloat16>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok);
+        break;
+      case FGDN_FLOAT16: certify_tokens<__half>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok); break;
+      default: certify_tokens<float>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok); break;
     }
-    for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head
-      g += __shfl_xor_sync(0xffffffffu, g, m);
-      ok &= __shfl_xor_sync(0xffffffffu, static_cast<int>(ok), m) != 0;
-    }
-    if (tsub == 0) part_gate[w][part][hl] = ok ? g : INFINITY;
   }
+  for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head
+    g += __shfl_xor_sync(0xffffffffu, g, m);
+    ok &= __shfl_xor_sync(0xffffffffu, static_cast<int>(ok), m) != 0;
+  }
+  if (tsub == 0) warp_gate[warp][hl] = ok ? g : INFINITY;
   __syncthreads();
   if (warp != 0 || lane >= heads) return;
-  int32_t warm = kExactSegment;
-  if (p.l2norm) {
-    float decay = 0.f;
-    for (int w = 0; w < window; ++w) {
-      float g = 0.f;
-      for (int part = 0; part < parts; ++part) g += part_gate[w][part][lane];  // in order: the same bits every run
-      if (g == INFINITY) break;
-      decay += g;
-      if (decay <= kCertifyLogDecay) {
-        warm = w + 1;
-        break;
-      }
-    }
+  float sum = 0.f;
+  for (int v = 0; v < kCertifyWarps; ++v) sum += warp_gate[v][lane];  // in order: the same bits every run
+  t.chunk_gate[(b * window + w) * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = sum;
+}
+
+// The warm-up of boundary b for head h from its window's chunk sums: W = the fewest chunks back
+// whose summed gate reaches kCertifyLogDecay with no refused beta (+inf) among them; else the
+// exact path. The window's sums are loaded together, before the walk.
+__device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t window, int32_t hv, int32_t h) {
+  float g[kCertifyMaxChunks];
+#pragma unroll
+  for (int w = 0; w < kCertifyMaxChunks; ++w)
+    g[w] = w < window ? chunk_gate[(b * window + w) * hv + h] : INFINITY;
+  float decay = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCertifyMaxChunks; ++w) {
+    if (g[w] == INFINITY) return kExactSegment;
+    decay += g[w];
+    if (decay <= kCertifyLogDecay) return w + 1;
   }
-  t.bound_warm[b * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = warm;
+  return kExactSegment;
 }
 
 // ---- plan statistics (the cost model is cp_cost_model.h) ------------------------------------
@@ -253,26 +255,90 @@ __device__ inline int movable_heads(const int32_t* warm, int32_t hv, int4 u) {
 }
 
 // ---- plan ------------------------------------------------------------------------------------
-// One CTA. Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs, from
-// the sequence lengths and the certificates of the boundaries it starts segments on (k a
+// Where the plan reads back the tables it writes (and the boundaries and their warm-ups): in
+// shared memory when they fit (PlanStage), else in the workspace. The forward reads the
+// workspace's copies. Reading back from global memory what the block had just written took
+// ~3500-6000 of the plan's ~19000-27000 cycles (bench/NOTES.md, step 21).
+struct PlanView {
+  int4 *bounds, *items, *slots;
+  int32_t *bound_warm, *warm;
+};
+
+// The staged tables' layout in the plan kernel's dynamic shared memory, or 0 bytes where they do
+// not fit in kPlanStageBytes (one layout for the host's launch and the kernel).
+constexpr size_t kPlanStageBytes = 64 * 1024;
+struct PlanStage {
+  int64_t bounds, items, slots;  // int4 entries
+  int64_t bound_warm, warm;      // int32 entries
+  FGDN_HOST_DEVICE size_t bytes() const {
+    return static_cast<size_t>(bounds + items + slots) * sizeof(int4) +
+           static_cast<size_t>(bound_warm + warm) * sizeof(int32_t);
+  }
+  FGDN_HOST_DEVICE bool fits() const { return bytes() <= kPlanStageBytes; }
+};
+
+// The (row, head) of the entries e = row Hv + h that thread threadIdx.x takes, e = threadIdx.x,
+// + kPlanThreads, ..: stepped without divisions (a 64-bit division is ~70 instructions, and the
+// plan's loops took one or two an entry).
+struct EntryWalk {
+  int64_t row;
+  int32_t h, hv, drow, dh;
+  __device__ explicit EntryWalk(int32_t heads)
+      : row(threadIdx.x / heads), h(threadIdx.x % heads), hv(heads), drow(kPlanThreads / heads),
+        dh(kPlanThreads % heads) {}
+  __device__ int64_t entry() const { return row * hv + h; }
+  __device__ void next() {
+    row += drow;
+    h += dh;
+    if (h >= hv) {
+      h -= hv;
+      ++row;
+    }
+  }
+};
+
+__device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int4* smem) {
+  if (!st.fits()) return {t.bounds, t.items, t.slots, t.bound_warm, t.warm};
+  PlanView v;
+  v.bounds = smem;
+  v.items = v.bounds + st.bounds;
+  v.slots = v.items + st.items;
+  v.bound_warm = reinterpret_cast<int32_t*>(v.slots + st.slots);
+  v.warm = v.bound_warm + st.bound_warm;
+  return v;
+}
+
+// One CTA. Pass 0: every (boundary, head)'s warm-up from the certificate's chunk sums
+// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs,
+// from the sequence lengths and the warm-ups of the boundaries it starts segments on (k a
 // multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
 // sequence or segment), longest first, and the slots (segments of split sequences), in sequence
-// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's
-// certificate.
+// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t min_chunks, int32_t candidates,
-                                                                int64_t max_items, int64_t max_slots,
-                                                                int64_t max_splits, CpTables t) {
+                                                                int32_t window, int64_t max_items, int64_t max_slots,
+                                                                int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ union {
-    typename Scan::TempStorage scan;
+    typename Scan::TempStorage scan[4];  // pass 2's four scans, no barrier between them
     PlanStats stats;
   } tmp;
   __shared__ int chosen;
   __shared__ int base[4];
+  extern __shared__ int4 plan_smem[];
+  const PlanView v = plan_view(t, stage, plan_smem);
+  const bool staged = stage.fits();
   grid_dependency_wait();  // the certificates
   launch_dependents();
   const int64_t N = seq.N;
+
+  // Pass 0 (the boundaries' loads fly with the chunk sums').
+  const int32_t n_bounds = t.plan[kPlanBounds];
+  if (staged)
+    for (int32_t i = threadIdx.x; i < n_bounds; i += kPlanThreads) v.bounds[i] = t.bounds[i];
+  for (EntryWalk w(hv); w.row < n_bounds; w.next())
+    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, hv, w.h);
+  __syncthreads();
 
   if (candidates == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
@@ -284,17 +350,18 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       own.sum_c += c;
       own.max_c = c > own.max_c ? c : own.max_c;
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {
-        const unsigned long long L = static_cast<unsigned long long>(min_chunks) << i;
-        own.cand[i].items += c > L ? (c + L - 1) / L : 1;
+      for (int i = 0; i < kCpMaxCandidates; ++i) {  // L = 2^lg: L_min is a power of two (cp_min_chunks)
+        const int lg = __ffs(min_chunks) - 1 + i;
+        const unsigned long long L = 1ull << lg;
+        own.cand[i].items += c > L ? (c + L - 1) >> lg : 1;
         own.cand[i].movable += c > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
     }
     // Per (boundary, head): the segments' certificates.
-    const int64_t entries = static_cast<int64_t>(t.plan[kPlanBounds]) * hv;
-    for (int64_t e = threadIdx.x; e < entries; e += kPlanThreads) {
-      const int4 r = t.bounds[e / hv];
-      const int32_t warm = t.bound_warm[e];
+    for (EntryWalk w(hv); w.row < n_bounds; w.next()) {
+      const int64_t e = w.entry();
+      const int4 r = v.bounds[w.row];
+      const int32_t warm = v.bound_warm[e];
 #pragma unroll
       for (int i = 0; i < kCpMaxCandidates; ++i) {
         if ((r.y & ((1 << i) - 1)) != 0) continue;  // not a segment start of L_min 2^i
@@ -308,24 +375,25 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
           cs.warm_chunks += static_cast<unsigned long long>(warm);
           cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
           // A middle segment not followed by an exact one is movable (cp_movable).
-          if (rest > L && t.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
+          if (rest > L && v.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
         }
       }
     }
     __shared__ unsigned long long partial[kPlanThreads / 32][kStatFields];
-    __shared__ double cost[kCpMaxCandidates];
+    __shared__ double cost[kCpMaxCandidates + 1];
     PlanStats& all = tmp.stats;
     block_reduce_stats(own, all, partial);
     // The candidates priced a thread each (the cost model's integer divisions and waves in
-    // double precision cost ~900 cycles a candidate), then the pick.
+    // double precision cost ~900 cycles a candidate), the no-split bar by one more, then the pick.
     const double sum_c = static_cast<double>(all.sum_c), max_c = static_cast<double>(all.max_c);
     if (threadIdx.x < candidates) {
       const int i = static_cast<int>(threadIdx.x);
       cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms);
+    } else if (threadIdx.x == candidates) {
+      cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms);
     }
     __syncthreads();
-    if (threadIdx.x == 0)
-      chosen = cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, static_cast<double>(N), hv, sms);
+    if (threadIdx.x == 0) chosen = cp_pick_from(cost, candidates, min_chunks, cost[kCpMaxCandidates]);
   }
   if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = 0;
   __syncthreads();
@@ -352,44 +420,68 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     atomicAdd(&bucket_next[bucket_of(c, nseg - 1)], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int start = 0;
-    for (int b = 31; b >= 0; --b) {
-      const int count = bucket_next[b];
-      bucket_next[b] = start;
-      start += count;
+  if (threadIdx.x < 32) {  // bucket b starts after the buckets above it: lane 31 - b's exclusive prefix
+    const int lane = threadIdx.x, b = 31 - lane, count = bucket_next[b];
+    int through = count;
+#pragma unroll
+    for (int m = 1; m < 32; m *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, through, m);
+      if (lane >= m) through += y;
     }
+    bucket_next[b] = through - count;
   }
   __syncthreads();
 
+  __shared__ int seg_first[kPlanThreads + 1];  // the tile's sequences' first segment (+ the count)
+  __shared__ int4 seg_of[kPlanThreads];       // {first full position, last's, first slot or -1, bound0}
   for (int64_t n0 = 0; n0 < N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < N ? seq_chunks(seq, n) : 0;
     const bool split = c > L;
     const int nseg = n < N ? nseg_of(c) : 0;
     int item0, slot0, split0, bound0, items, slots, splits, bounds;
-    Scan(tmp.scan).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
-    __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(split ? nseg : 0, slot0, slots);
-    __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(split ? 1 : 0, split0, splits);
-    __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
+    Scan(tmp.scan[0]).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
+    Scan(tmp.scan[1]).ExclusiveSum(split ? nseg : 0, slot0, slots);
+    Scan(tmp.scan[2]).ExclusiveSum(split ? 1 : 0, split0, splits);
+    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
+    // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
+    // writing past the tables.
     if (n < N) {
-      // The bounds hold by construction (cp_layout); the checks keep a broken invariant from
-      // writing past the tables.
+      // Positions: a bucket's run for the full segments, one more for the last.
       const int full = nseg > 1 ? atomicAdd(&bucket_next[bucket_of(c, 0)], nseg - 1) : 0;
-      for (int s = 0; s < nseg; ++s) {
-        const int at = s + 1 < nseg ? full + s : atomicAdd(&bucket_next[bucket_of(c, s)], 1);
-        if (at < max_items) t.items[at] = make_int4(static_cast<int>(n), s, split ? slot0 + s : -1, nseg);
+      const int last = atomicAdd(&bucket_next[bucket_of(c, nseg - 1)], 1);
+      seg_of[threadIdx.x] = make_int4(full, last, split ? slot0 : -1, bound0);
+      if (split && split0 < max_splits) t.splits[split0] = make_int4(static_cast<int>(n), slot0, nseg, 0);
+    }
+    seg_first[threadIdx.x] = item0;
+    if (threadIdx.x == 0) seg_first[kPlanThreads] = items;
+    __syncthreads();
+    // The tile's segments a thread each (one sequence's segments on its own thread were a chain
+    // of ~250 cycles a segment: bench/NOTES.md, step 21): segment j belongs to the tile's
+    // sequence i with seg_first[i] <= j < seg_first[i + 1] (every sequence has a segment).
+    for (int j = threadIdx.x; j < items; j += kPlanThreads) {
+      int lo = 0, hi = kPlanThreads;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (seg_first[mid] <= j) lo = mid;
+        else hi = mid;
       }
-      if (split) {
-        for (int s = 0; s < nseg && slot0 + s < max_slots; ++s)
-          t.slots[slot0 + s] = make_int4(static_cast<int>(n), s, nseg, bound0);
-        if (split0 < max_splits) t.splits[split0] = make_int4(static_cast<int>(n), slot0, nseg, 0);
+      const int s = j - seg_first[lo], nsegs = seg_first[lo + 1] - seg_first[lo];
+      const int4 where = seg_of[lo];
+      const int seq_n = static_cast<int>(n0) + lo;
+      const int at = s + 1 < nsegs ? where.x + s : where.y;
+      if (at < max_items) {
+        const int4 item = make_int4(seq_n, s, where.z >= 0 ? where.z + s : -1, nsegs);
+        t.items[at] = item;
+        if (staged) v.items[at] = item;
+      }
+      if (where.z >= 0 && where.z + s < max_slots) {
+        const int4 slot = make_int4(seq_n, s, nsegs, where.w);
+        t.slots[where.z + s] = slot;
+        if (staged) v.slots[where.z + s] = slot;
       }
     }
     __syncthreads();
@@ -405,10 +497,13 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   // Pass 3: segment s of a split sequence starts at its boundary k = s L / L_min (the slots'
   // writes above are visible to the block after the barrier).
   const int32_t stride = static_cast<int32_t>(L / min_chunks);
-  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_slots) * hv; e += kPlanThreads) {
-    const int4 u = t.slots[e / hv];
-    const int32_t h = static_cast<int32_t>(e % hv);
-    t.warm[e] = u.y == 0 ? 0 : t.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
+  for (EntryWalk w(hv); w.row < n_slots; w.next()) {
+    const int64_t e = w.entry();
+    const int4 u = v.slots[w.row];
+    const int32_t h = w.h;
+    const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
+    t.warm[e] = warm;
+    if (staged) v.warm[e] = warm;
   }
   // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and which: the last ones in item
   // order (items are longest first, so the shortest move), counted to the CTA, so that phase 1
@@ -423,10 +518,9 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();  // also: pass 3's flags are visible
   const int32_t n_items = static_cast<int32_t>(min(static_cast<int64_t>(base[0]), max_items));
   unsigned long long movable = 0, exact = 0;
-  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_items) * hv; e += kPlanThreads)
-    movable += cp_movable(t.warm, hv, t.items[e / hv], static_cast<int32_t>(e % hv)) ? 1 : 0;
-  for (int64_t e = threadIdx.x; e < static_cast<int64_t>(n_slots) * hv; e += kPlanThreads)
-    exact += t.slots[e / hv].y > 0 && t.warm[e] == kExactSegment ? 1 : 0;
+  for (EntryWalk w(hv); w.row < n_items; w.next()) movable += cp_movable(v.warm, hv, v.items[w.row], w.h) ? 1 : 0;
+  for (EntryWalk w(hv); w.row < n_slots; w.next())
+    exact += v.slots[w.row].y > 0 && v.warm[w.entry()] == kExactSegment ? 1 : 0;
   block_accumulate(&movable_exact[0], movable, false);
   block_accumulate(&movable_exact[1], exact, false);
   __syncthreads();
@@ -440,15 +534,15 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   for (int32_t last = n_items - 1; deferred > 0 && last >= 0; last -= kPlanThreads) {
     const int32_t i = last - static_cast<int32_t>(threadIdx.x);
     int count = 0;
-    if (i >= 0) count = movable_heads(t.warm, hv, t.items[i]);
+    if (i >= 0) count = movable_heads(v.warm, hv, v.items[i]);
     int through, tile;  // movable CTAs in items [i, last], and in the whole tile
-    Scan(tmp.scan).InclusiveSum(count, through, tile);
+    Scan(tmp.scan[0]).InclusiveSum(count, through, tile);
     const unsigned long long behind = after + static_cast<unsigned long long>(through - count);
     if (count > 0 && behind < deferred && behind + static_cast<unsigned long long>(count) >= deferred) {
       // Item i's last `need` movable heads move: h is the first of them.
       int32_t h = hv;
       for (unsigned long long need = deferred - behind; need > 0;)
-        if (cp_movable(t.warm, hv, t.items[i], --h)) --need;
+        if (cp_movable(v.warm, hv, v.items[i], --h)) --need;
       defer_from = i * hv + h;
     }
     __syncthreads();  // defer_from is seen by all; tmp.scan may be reused
@@ -746,15 +840,23 @@ void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t,
 
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   if (c.max_bounds == 0) return;
-  const dim3 grid(static_cast<unsigned>(c.max_bounds), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
+  const dim3 grid(static_cast<unsigned>(c.max_bounds * c.window), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
   launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
                    c.min_chunks, c.window);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, "cp_plan_kernel", fp.seq,
-                   static_cast<int32_t>(fp.Hv), c.sms, c.min_chunks, c.candidates, c.max_items, c.max_slots,
-                   c.max_splits, t);
+  PlanStage stage;
+  stage.bounds = c.max_bounds;
+  stage.items = c.max_items;
+  stage.slots = c.max_slots;
+  stage.bound_warm = c.max_bounds * fp.Hv;
+  stage.warm = c.max_slots * fp.Hv;
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kPlanStageBytes)));
+  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream,
+                   "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.min_chunks, c.candidates,
+                   c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
 }
 
 template <int kD>

@@ -6,12 +6,14 @@
 // Launches, all on the caller's stream (no host synchronisation; capturable in a CUDA graph):
 //   1. bounds   (one CTA): every possible segment start, at multiples of the shortest candidate
 //               segment length L_min, of the sequences long enough to split;
-//   2. certify  (a CTA per boundary and 32 value heads): the gate decides, per (sequence, head,
-//               boundary), between a warm-up start (W chunks early, from zero) and the exact
-//               path;
-//   3. plan     (one CTA): reads the sequence lengths and the certificates, picks L by the cost
-//               model (or takes the caller's), and writes the work items, the slots (segments
-//               of split sequences) and each slot's warm-up into the workspace;
+//   2. certify  (a CTA per boundary, chunk of its window and 32 value heads): each chunk's
+//               summed gate per head (or a refusal), from which the plan decides, per (sequence,
+//               head, boundary), between a warm-up start (W chunks early, from zero) and the
+//               exact path;
+//   3. plan     (one CTA): reads the sequence lengths and the chunk sums, takes each
+//               boundary's warm-up, picks L by the cost model (or takes the caller's), and
+//               writes the work items, the slots (segments of split sequences) and each slot's
+//               warm-up into the workspace;
 //   4. forward phase 1: whole sequences, first segments (from h0), warm-up segments (with o),
 //               and for exact segments the local state N (from zero) and the transfer M;
 //   5. scan     : S_end(s) = M_s S_end(s - 1) + N_s over each split sequence's segments, in
@@ -83,7 +85,9 @@ struct CpTables {
   int4* splits;      // per split sequence {n, first slot, segments, 0}
   int32_t* warm;     // [slot x Hv]: the slot's warm-up chunks or kExactSegment
   int4* bounds;      // per boundary {n, k (start chunk / L_min), chunks of n, 0}
-  int32_t* bound_warm;  // [boundary x Hv]: the certificate's warm-up chunks or kExactSegment
+  float* chunk_gate;    // [boundary x window chunk x Hv]: the chunk's summed gate, +inf: refused
+  int32_t* bound_warm;  // [boundary x Hv]: the warm-up chunks or kExactSegment (where the plan
+                        // does not keep them in shared memory)
 };
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);

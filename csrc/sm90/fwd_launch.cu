@@ -38,7 +38,7 @@ struct Workspace {
   size_t ckpt = 0, q = 0, k = 0, v = 0;
   CpLayout cp;
   size_t cp_plan = 0, cp_items = 0, cp_slots = 0, cp_splits = 0, cp_warm = 0;
-  size_t cp_bounds = 0, cp_bound_warm = 0, cp_ends = 0, cp_trans = 0;
+  size_t cp_bounds = 0, cp_chunk_gate = 0, cp_bound_warm = 0, cp_ends = 0, cp_trans = 0;
   size_t total = 0;
 };
 
@@ -64,6 +64,7 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
     w.cp_splits = take(static_cast<size_t>(c.max_splits) * sizeof(int4));
     w.cp_warm = take(static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t));
     w.cp_bounds = take(static_cast<size_t>(c.max_bounds) * sizeof(int4));
+    w.cp_chunk_gate = take(static_cast<size_t>(c.max_bounds) * c.window * p.Hv * sizeof(float));
     w.cp_bound_warm = take(static_cast<size_t>(c.max_bounds) * p.Hv * sizeof(int32_t));
     w.cp_ends = take(c.state_bytes);
     w.cp_trans = take(c.state_bytes);
@@ -213,6 +214,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   t.splits = reinterpret_cast<int4*>(ws + wl.cp_splits);
   t.warm = reinterpret_cast<int32_t*>(ws + wl.cp_warm);
   t.bounds = reinterpret_cast<int4*>(ws + wl.cp_bounds);
+  t.chunk_gate = reinterpret_cast<float*>(ws + wl.cp_chunk_gate);
   t.bound_warm = reinterpret_cast<int32_t*>(ws + wl.cp_bound_warm);
   fp.cp.max_slots = static_cast<int32_t>(c.max_slots);
   fp.cp.plan = t.plan;
