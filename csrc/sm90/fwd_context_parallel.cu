@@ -643,6 +643,26 @@ __device__ __forceinline__ void scan_copy_chain(const FwdParams& p, const CpTabl
   }
 }
 
+// The chain's last S_end, the sequence's final state: into ht, or the pool row, in its dtype and
+// layout (the thread's elements: rows r0 and r0 + 8, columns cc and cc + 1 of the chain's block).
+template <int kD>
+__device__ __forceinline__ void write_final_state(const FwdParams& p, const ScanChain<kD>& c, float2 lo, float2 hi,
+                                                  int r0, int cc) {
+  if (!p.write_final) return;
+  StateRef dst = p.ht;
+  int64_t row = c.u.x;
+  if (p.state_idx != nullptr) {
+    dst = p.h0;
+    row = cuda::load_index(p.state_idx, p.state_idx_dtype, c.u.x);
+  }
+  if (row < 0 || dst.data == nullptr) return;
+  const float v[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    cuda::store_from_float(dst.data, dst.dtype,
+                           state_offset(dst, row, c.h, r0 + 8 * (e >> 1), c.col0 + cc + (e & 1), p.v_first), v[e]);
+}
+
 // The compute warps: S_end along the chain, M_s S_end(s - 1) on the tensor cores.
 template <int kD>
 __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t, int64_t index,
@@ -654,6 +674,15 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int r0 = 16 * warp + g, cc = 2 * q;
   auto load2 = [&](int s, int row) { return *reinterpret_cast<const float2*>(c.at(p.cp.ends, s, row) + c.col0 + cc); };
+  // A chain without an exact segment multiplies nothing: its final state is its last segment's
+  // own end state. Walking its segments anyway (the St split and a barrier a step) took most of
+  // the scan where a CTA walks many chains (16/64: 64 heads, one exact; bench/NOTES.md step 23).
+  bool any_exact = false;
+  for (int s = 1 + lane; s < z; s += 32) any_exact |= c.exact(t, s);
+  if (!__any_sync(0xffffffffu, any_exact)) {
+    write_final_state(p, c, load2(z - 1, r0), load2(z - 1, r0 + 8), r0, cc);
+    return;
+  }
   // Segment s's end state is read only where the chain needs it: a movable segment (phase 2
   // may run it, fwd_scheduler.cuh) writes none. Exactness is read three segments ahead (x[0]
   // is segment s's), so that no load of the flags waits on the chain.
@@ -734,19 +763,7 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
     *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0) + c.col0 + cc) = lo;
     *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0 + 8) + c.col0 + cc) = hi;
   }
-  if (!p.write_final) return;
-  StateRef dst = p.ht;
-  int64_t row = c.u.x;
-  if (p.state_idx != nullptr) {
-    dst = p.h0;
-    row = cuda::load_index(p.state_idx, p.state_idx_dtype, c.u.x);
-  }
-  if (row < 0 || dst.data == nullptr) return;
-  const float v[4] = {lo.x, lo.y, hi.x, hi.y};
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-    cuda::store_from_float(dst.data, dst.dtype,
-                           state_offset(dst, row, c.h, r0 + 8 * (e >> 1), c.col0 + cc + (e & 1), p.v_first), v[e]);
+  write_final_state(p, c, lo, hi, r0, cc);
 }
 
 // The grid is at most what fits on the SMs at once, and each CTA walks the units blockIdx.x,
