@@ -130,13 +130,19 @@ struct CpSeqGroup {
   int64_t chunks, count;
 };
 
-// Whether a split can pay at all, decided on the host before the pipeline is launched: the best
-// case of each candidate L = min_chunks 2^i, every (boundary, head) certified within one chunk
-// (so no transfer matrix, no multiplying scan step, no second pass), must beat no split by
-// kCpMinGain after the pipeline's own cost. The gates only make a split dearer than this (exact
-// segments, longer warm-ups), so where the best case does not pay the plan could only lose.
-inline bool cp_best_case_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks,
-                              int candidates, int sms) {
+// Whether to launch the pipeline at all, decided on the host from the lengths alone (the gates
+// are on the device): each candidate L = min_chunks 2^i is priced in the case of one head per
+// split sequence taking the exact path at every boundary (its transfer matrices, scan steps and
+// second pass) and every other head certified within one chunk, and must beat no split by
+// kCpMinGain after the pipeline's own cost. Where even that case loses, the plan would split and
+// lose where a head does not decay, or decline after the pipeline had cost ~20-30 us. Pricing
+// the best case (no exact head) instead launched the pipeline in 7 of the benchmark's cells
+// where it lost 5-15% to CP off (16/64 1x4096, 8/32 and 16/32 1x2048, 4/4 B8x2048, the 8x4096
+// packs at 2/8 and 8/24, 16/48 4x8192: bench/NOTES.md step 24), where head 0 does not decay;
+// with every head decaying, those cells give up a split the model prices within ~10-20
+// chunk-steps of the bar.
+inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks,
+                             int candidates, int sms) {
   double sum_c = 0.0, max_c = 0.0, n = 0.0;
   for (int64_t i = 0; i < n_groups; ++i) {
     sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
@@ -144,17 +150,28 @@ inline bool cp_best_case_pays(const CpSeqGroup* groups, int64_t n_groups, double
     n += static_cast<double>(groups[i].count);
   }
   const double bar = cp_split_bar(sum_c, max_c, n, hv, sms);
+  const auto heads = static_cast<unsigned long long>(hv);
+  const unsigned long long exact_heads = heads > 0 ? 1 : 0, warm_heads = heads - exact_heads;
   for (int c = 0; c < candidates; ++c) {
     const int64_t L = static_cast<int64_t>(min_chunks) << c;
-    CpCandidateStats best = {};
+    CpCandidateStats st = {};
     for (int64_t i = 0; i < n_groups; ++i) {
-      const int64_t segs = groups[i].chunks > L ? (groups[i].chunks + L - 1) / L : 1;
+      const int64_t chunks = groups[i].chunks;
       const auto count = static_cast<unsigned long long>(groups[i].count);
-      best.items += static_cast<unsigned long long>(segs) * count;
-      best.warm_chunks += static_cast<unsigned long long>(segs - 1) * count * static_cast<unsigned long long>(hv);
+      if (chunks <= L) {  // unsplit: one item, movable
+        st.items += count;
+        st.movable += count * heads;
+        continue;
+      }
+      const auto segs = static_cast<unsigned long long>((chunks + L - 1) / L);
+      st.items += segs * count;
+      st.exact += (segs - 1) * count * exact_heads;
+      st.exact_chunks += static_cast<unsigned long long>(chunks - L) * count * exact_heads;  // all but the first
+      st.warm_chunks += (segs - 1) * count * warm_heads;
+      st.movable += (segs - 2) * count * warm_heads;  // middle warm-up segments, none followed by an exact one
     }
-    best.warm_max = best.warm_chunks > 0 ? 1 : 0;
-    const double cost = cp_candidate_steps(best, c, min_chunks, sum_c, max_c, hv, sms);
+    st.warm_max = st.warm_chunks > 0 ? 1 : 0;
+    const double cost = cp_candidate_steps(st, c, min_chunks, sum_c, max_c, hv, sms);
     if (cost >= 0.0 && cost + kCpPipelineSteps < bar) return true;
   }
   return false;

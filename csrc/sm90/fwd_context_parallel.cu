@@ -822,8 +822,9 @@ CpLayout cp_layout(const Problem& p, int sms) {
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
   // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
-  // workspace query, which sizes for the pipeline), no pipeline where even its best case cannot
-  // pay for itself. Under CUDA graph capture this is decided from the capture's lengths.
+  // workspace query, which sizes for the pipeline), no pipeline where a split with one exact
+  // head per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture
+  // this is decided from the capture's lengths.
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && (!p.varlen || p.have_host_seqlens)) {
     std::vector<CpSeqGroup> groups;
     if (!p.varlen) {
@@ -832,7 +833,7 @@ CpLayout cp_layout(const Problem& p, int sms) {
       groups.reserve(static_cast<size_t>(p.N));
       for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
     }
-    if (!cp_best_case_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
+    if (!cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
                            c.min_chunks, c.candidates, sms))
       return c;
   }

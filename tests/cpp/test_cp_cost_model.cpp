@@ -98,9 +98,9 @@ TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
   EXPECT_NEAR(r.cost / r.unsplit, 0.357, 0.005);
 }
 
-// The host's test before any pipeline launch (cp_best_case_pays), with L_min as cp_layout takes
+// The host's test before any pipeline launch (cp_pipeline_pays), with L_min as cp_layout takes
 // it: from the balanced load over the chunk slots (varlen: a bound, ceil(T / 64) + N).
-bool best_case_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
+bool pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
   std::vector<CpSeqGroup> groups;
   int64_t total = 0, slots = 0;
   for (int64_t t : tokens) {
@@ -110,7 +110,7 @@ bool best_case_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen)
   }
   if (varlen) slots = (total + 63) / 64 + static_cast<int64_t>(tokens.size());
   const int32_t min_chunks = cp_min_chunks((hv * slots + kH100Sms - 1) / kH100Sms);
-  return cp_best_case_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
+  return cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
                            kCpMaxCandidates, kH100Sms);
 }
 
@@ -118,22 +118,33 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
   // Measured (bench/NOTES.md step 17, CP auto against off, ms): the pipeline ran and lost at
   // 16/64 1x2048 (0.163 / 0.122), 2/8 B8x2048 (0.155 / 0.122), 2/6 B8x2048 (0.156 / 0.120),
   // 8/32 4x8192 varlen (0.528 / 0.450), 4/16 8x4096 varlen (0.296 / 0.239).
-  EXPECT_FALSE(best_case_pays({2048}, 64, false));
-  EXPECT_FALSE(best_case_pays(std::vector<int64_t>(8, 2048), 8, false));
-  EXPECT_FALSE(best_case_pays(std::vector<int64_t>(8, 2048), 6, false));
-  EXPECT_FALSE(best_case_pays(std::vector<int64_t>(4, 8192), 32, true));
-  EXPECT_FALSE(best_case_pays(std::vector<int64_t>(8, 4096), 16, true));
+  EXPECT_FALSE(pipeline_pays({2048}, 64, false));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 2048), 8, false));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 2048), 6, false));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(4, 8192), 32, true));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 4096), 16, true));
+  // Priced with one exact head (step 24), it also stays off where the pipeline ran and lost with
+  // head 0 not decaying (us, auto / off, graph replays at 97f1599 or 0da658b): 16/64 1x4096
+  // (254 / 225), 16/32 1x2048 (125 / 117), 8/32 1x2048 (115 / 117: a tie), 4/4 B8x2048 (138 /
+  // 118), 2/8 8x4096 varlen (0.273 / 0.230 ms at step 17), 8/24 8x4096 varlen (518 / 466),
+  // 16/48 4x8192 varlen (951 / 905).
+  EXPECT_FALSE(pipeline_pays({4096}, 64, false));
+  EXPECT_FALSE(pipeline_pays({2048}, 32, false));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 2048), 4, false));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 4096), 8, true));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(8, 4096), 24, true));
+  EXPECT_FALSE(pipeline_pays(std::vector<int64_t>(4, 8192), 48, true));
   // ... and won at 16/64 1x32768 (1.040 / 1.746), 16/64 1x8192 (0.379 / 0.442), 8/32 1x4096
   // (0.187 / 0.229), 2/8 1x2048 (0.079 / 0.115), 4/16 2x16384 varlen (0.464 / 0.877).
-  EXPECT_TRUE(best_case_pays({32768}, 64, false));
-  EXPECT_TRUE(best_case_pays({8192}, 64, false));
-  EXPECT_TRUE(best_case_pays({4096}, 32, false));
-  EXPECT_TRUE(best_case_pays({2048}, 8, false));
-  EXPECT_TRUE(best_case_pays({16384, 16384}, 16, true));
+  EXPECT_TRUE(pipeline_pays({32768}, 64, false));
+  EXPECT_TRUE(pipeline_pays({8192}, 64, false));
+  EXPECT_TRUE(pipeline_pays({4096}, 32, false));
+  EXPECT_TRUE(pipeline_pays({2048}, 8, false));
+  EXPECT_TRUE(pipeline_pays({16384, 16384}, 16, true));
   // A varlen pack of one long sequence and many short ones: the long one's chain is the call.
   std::vector<int64_t> mix(32, 512);
   mix.push_back(16384);
-  EXPECT_TRUE(best_case_pays(mix, 8, true));
+  EXPECT_TRUE(pipeline_pays(mix, 8, true));
 }
 
 TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {

@@ -373,12 +373,14 @@ def test_cuda_graph_context_parallel_new_seqlens():
     assert not torch.equal(eager[0], off[0]), "CP on gave the bits of CP off: nothing split"
 
 
-@pytest.mark.parametrize("shape", [dict(B=8, T=2048, Hq=2, Hv=6), dict(lengths=[4096] * 8, Hq=4, Hv=16)],
-                         ids=["dense-2x6-B8x2048", "varlen-4x16-8x4096"])
+@pytest.mark.parametrize("shape", [dict(B=8, T=2048, Hq=2, Hv=6), dict(lengths=[4096] * 8, Hq=4, Hv=16),
+                                   dict(lengths=[4096] * 8, Hq=2, Hv=8)],
+                         ids=["dense-2x6-B8x2048", "varlen-4x16-8x4096", "varlen-2x8-8x4096"])
 def test_cp_auto_runs_no_pipeline_where_no_split_can_pay(shape):
-    """Automatic CP launches its pipeline only where the best case of a split pays for it
-    (cp_best_case_pays; bench/NOTES.md step 17: at these shapes the split lost to CP off). So auto
-    gives CP off's bits, while a forced split (CP on, 256-token segments) gives others."""
+    """Automatic CP launches its pipeline only where a split with one exact head per split
+    sequence pays for it (cp_pipeline_pays; bench/NOTES.md steps 17 and 24: at these shapes the
+    split lost to CP off). So auto gives CP off's bits, while a forced split (CP on, 256-token
+    segments) gives others."""
     c = make_case(K=128, V=128, device=DEV, l2norm=True, **shape)
     kw = dict(initial_state=c.initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if c.cu_seqlens is not None:
