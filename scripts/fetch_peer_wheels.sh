@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Downloads (on a machine that reaches PyPI) the peers' wheels for Python 3.12 manylinux x86_64,
 # installs them with --no-deps into two staging folders, prunes what the benchmark never loads,
-# and packs each into an xz tarball under .whl/ (git-ignored; never commit these):
+# and packs both into one xz stream cut into pieces under .whl/ (git-ignored; never commit these):
 #
-#   .whl/peers-a/peers-a.tar.xz   FlashQLA 0.1.3 + tilelang 0.1.15 (+ apache-tvm-ffi, torch-c-dlpack-ext,
-#                                 z3-solver without its z3 binary) + FLA (fla-core 0.6.0) + FlashInfer 0.7.2.post1
-#                                 (+ cuda-tile) with flashinfer/data/{csrc,cutlass,cccl} (CUDA sources for its
-#                                 JIT-compiled kernels) dropped, since its SM90 GDN prefill is CuTe DSL and never
-#                                 reads them + nvidia-cutlass-dsl 4.8.1 with -libs-base and -libs-core
-#   .whl/peers-b/peers-b.tar.xz   nvidia-cutlass-dsl-libs-cu13 4.8.1 alone (the CuTe DSL's MLIR library and
-#                                 runtime for CUDA 13: a 92 MB wheel, 227 MB installed)
+#   part a   FlashQLA 0.1.3 + tilelang 0.1.15 (+ apache-tvm-ffi, torch-c-dlpack-ext, z3-solver without
+#            its z3 binary) + FLA (fla-core 0.6.0) + FlashInfer 0.7.2.post1 (+ cuda-tile) with
+#            flashinfer/data/{csrc,cutlass,cccl} (CUDA sources for its JIT-compiled kernels) dropped,
+#            since its SM90 GDN prefill is CuTe DSL and never reads them + nvidia-cutlass-dsl 4.8.1
+#            with -libs-base and -libs-core
+#   part b   nvidia-cutlass-dsl-libs-cu13 4.8.1 (the CuTe DSL's MLIR library and runtime for CUDA 13:
+#            a 92 MB wheel, 227 MB installed)
 #
-# Each part stays under ~60 MiB so that it can travel in one device call (64 MiB per call with the
-# working tree); the packages the device image already has (torch, triton, numpy, einops, tqdm,
-# cuda-bindings, ...) are not fetched. Then it prints how to install them on the device.
+#   .whl/peers-1/peers.tar.xz.piece0-of-N, .whl/peers-2/...piece1-of-N, ...   (PIECE_MIB=40 each)
+#
+# A device call carries the working tree (~21 MB) and one piece, under its 64 MiB; the packages
+# the device image already has (torch, triton, numpy, einops, tqdm, cuda-bindings, ...) are not
+# fetched. Then it prints how to install them on the device.
 #
 #   bash scripts/fetch_peer_wheels.sh            # WORK=/tmp/peer-wheels by default (kept as a cache)
 #   PYTHON=python3.12 bash scripts/fetch_peer_wheels.sh
@@ -22,9 +24,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/peer-wheels}
-XZ=${XZ:-xz -T1 --lzma2=preset=9e,dict=192MiB}   # one thread, large window: ~51 MiB for part b (-9 -T0: 61 MiB)
+XZ=${XZ:-xz -T1 --lzma2=preset=9e,dict=192MiB}   # one thread, large window: ~97 MiB for both parts
 DEST=${DEST:-.whl}
-mkdir -p "$WORK/wheels" "$DEST/peers-a" "$DEST/peers-b"
+mkdir -p "$WORK/wheels" "$DEST"
 
 PLAT=(--python-version 3.12 --implementation cp --only-binary=:all:
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
@@ -66,41 +68,44 @@ rm -rf "$WORK/a/flashinfer/data/csrc" "$WORK/a/flashinfer/data/cutlass" "$WORK/a
 echo "== staging part b (nvidia-cutlass-dsl-libs-cu13)" >&2
 stage "$WORK/b" "${PART_B[@]}"
 
-rm -f "$DEST"/peers-a/*.tar.xz "$DEST"/peers-b/*.tar.xz   # every *.tar.xz there is unpacked on the device
-for p in a b; do
-  out="$DEST/peers-$p/peers-$p.tar.xz"
-  echo "== packing $out (xz -9e, one thread: minutes)" >&2
-  rm -f "$out"
-  tar -C "$WORK/$p" -cf - . | $XZ > "$out.tmp" && mv "$out.tmp" "$out"
-  { echo "# peers-$p: pip install --no-deps --target of these wheels, then pruned (scripts/fetch_peer_wheels.sh)"
-    if [ $p = a ]; then printf '%s\n' "${PART_A[@]}"; else printf '%s\n' "${PART_B[@]}"; fi
-    echo "# sha256"; sha256sum "$out" | sed "s#  .*#  peers-$p.tar.xz#"
-  } > "$DEST/peers-$p/MANIFEST.txt"
+# Both parts go into one xz stream, cut into pieces of $PIECE_MIB MiB, one folder each
+# (.whl/peers-1, .whl/peers-2, ...): a device call carries the working tree and one piece, under
+# its 64 MiB. The device gathers the pieces and unpacks once it has them all (gpu_bench.sh unpack).
+PIECE_MIB=${PIECE_MIB:-40}
+rm -rf "$DEST"/peers-*
+tmp="$WORK/peers.tar.xz"
+echo "== packing $tmp (xz -9e, one thread: ~10 minutes)" >&2
+tar -cf - -C "$WORK/a" . -C "$WORK/b" . | $XZ > "$tmp.tmp" && mv "$tmp.tmp" "$tmp"
+rm -f "$WORK"/peers.tar.xz.piece*
+split -b "${PIECE_MIB}m" -d -a 1 "$tmp" "$WORK/peers.tar.xz.piece"
+pieces=("$WORK"/peers.tar.xz.piece*)
+n=${#pieces[@]}
+for i in "${!pieces[@]}"; do
+  dir="$DEST/peers-$((i + 1))"
+  mkdir -p "$dir"
+  mv "${pieces[$i]}" "$dir/peers.tar.xz.piece$i-of-$n"
 done
-
+{ echo "# peers.tar.xz: pip install --no-deps --target of these wheels, then pruned (scripts/fetch_peer_wheels.sh)"
+  printf '%s\n' "${PART_A[@]}" "${PART_B[@]}"
+  echo "# sha256 of the whole stream, then of each piece"
+  sha256sum "$tmp" | sed 's#  .*#  peers.tar.xz#'
+  (cd "$DEST" && sha256sum peers-*/peers.tar.xz.piece*)
+} > "$DEST/peers-1/MANIFEST.txt"
 echo
-du -h "$DEST"/peers-a/*.tar.xz "$DEST"/peers-b/*.tar.xz
-for p in a b; do
-  s=$(cat "$DEST"/peers-$p/*.tar.xz | wc -c)
-  [ "$s" -lt $((60 * 1024 * 1024)) ] || echo "WARNING: peers-$p is $((s / 1048576)) MiB: over 60 MiB, it may not travel with the working tree" >&2
-done
-cat <<'EOF'
+du -h "$DEST"/peers-*/peers.tar.xz.piece*
+cat <<EOF
 
-On the device (run tool), two calls back to back so that the machine stays warm (it keeps /tmp
-and the ignored paths already carried between calls; a fresh machine needs both again):
+On the device (run tool): one call per piece, back to back so that the machine stays warm (it
+keeps /tmp between calls; a fresh machine needs every piece again):
 
-  call 1  carry [".whl/peers-a"]
-    mkdir -p /tmp/peers && for f in .whl/peers-a/*.tar.xz; do tar -xJf $f -C /tmp/peers || exit 1; done
-  call 2  carry [".whl/peers-b"]            (add the flashgdn build the lead carries, e.g. "dist")
-    test -d /tmp/peers/flash_qla || echo "fresh machine: call 1 again first"
-    for f in .whl/peers-b/*.tar.xz; do tar -xJf $f -C /tmp/peers || exit 1; done
-    export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-    export FLA_DISABLE_BACKEND_DISPATCH=1
-    python3 bench/run.py --quick --out $OUT
+  call i = 1..$n   carry [".whl/peers-i"]   bash scripts/gpu_bench.sh unpack
+                   (each call keeps its piece under /tmp/peer-pieces; the call that brings the
+                   last one unpacks the stream into /tmp/peers)
+  then             bash scripts/gpu_bench.sh install && bash scripts/gpu_bench.sh prewarm ...
 
 PYTHONPATH does not read .pth files: nvidia-cutlass-dsl's nvidia_cutlass_dsl_packages.pth would add
-/tmp/peers/nvidia_cutlass_dsl/dsl_packages to sys.path (where its Python package `cutlass` lives,
-from -libs-core); add it to PYTHONPATH yourself, as above. FlashInfer is imported as
+/tmp/peers/nvidia_cutlass_dsl/dsl_packages to sys.path (where its Python package 'cutlass' lives,
+from -libs-core); gpu_bench.sh adds it to PYTHONPATH. FlashInfer is imported as
 flashinfer.gdn_prefill; its package __init__ imports every module it has, and where that fails
 (packages the GDN path does not need, e.g. nccl4py, cudnn-frontend) the benchmark loads the
 module without the package __init__ (see bench/gdnbench/contenders.py).

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The side-by-side benchmark on a GPU machine (the device tool), in steps that fit its calls:
 #
-#   bash scripts/gpu_bench.sh unpack              # every carried .whl/peers-*/*.tar.xz into /tmp/peers,
-#                                                 # and a carried .whl/peer-cache/ into $PEER_CACHE
+#   bash scripts/gpu_bench.sh unpack              # keeps a carried .whl/peers-*/ piece in /tmp/peer-pieces and,
+#                                                 # once all N are there, unpacks them into /tmp/peers; a carried
+#                                                 # .whl/peer-cache/ goes into $PEER_CACHE
 #   bash scripts/gpu_bench.sh install             # flashgdn into /tmp/site (dist/*.whl if carried, else built)
 #   bash scripts/gpu_bench.sh prewarm [ARGS...]   # compile the peers' kernels for the full matrix (no timing)
 #   bash scripts/gpu_bench.sh part I/N [ARGS...]  # python bench/run.py --full --part I/N --out $OUT/part-I
 #   bash scripts/gpu_bench.sh pack-caches         # $PEER_CACHE as xz parts of 15 MiB; the first 4 into $OUT/peer-cache
 #   bash scripts/gpu_bench.sh cache-parts I J     # parts I..J (0-based) into $OUT/peer-cache (the rest, 4 a call)
 #
-# The peers come from scripts/fetch_peer_wheels.sh (.whl/peers-a, .whl/peers-b: one carry each,
-# on one warm machine). Their compile caches (Triton, TileLang, CuTe DSL) and the warm-up's
-# markers all live under $PEER_CACHE (default /tmp/peer-cache), which stays on the machine
+# The peers come from scripts/fetch_peer_wheels.sh (.whl/peers-1 .. .whl/peers-N: one carry and
+# one unpack call each, back to back on one warm machine). Their compile caches (Triton,
+# TileLang, CuTe DSL) and the warm-up's markers all live under $PEER_CACHE (default /tmp/peer-cache), which stays on the machine
 # between calls: after a prewarm call the parts only load kernels. pack-caches brings that
 # folder back (save the parts under .whl/peer-cache/, git-ignored, never committed), so a later
 # session carries it (64 MiB a call) instead of compiling the peers again (~10-15 min of device
@@ -34,14 +35,24 @@ shift
 
 case $step in
   unpack)
-    mkdir -p /tmp/peers
-    for f in .whl/peers-*/*.tar.xz; do
-      [ -f "$f" ] || continue
-      stamp=/tmp/peers/.unpacked-$(basename "$f")
-      [ -f "$stamp" ] && continue
-      tar -xJf "$f" -C /tmp/peers && touch "$stamp" || { echo "unpack $f failed" >&2; exit 1; }
-      echo "unpacked $f"
+    mkdir -p /tmp/peers /tmp/peer-pieces
+    for f in .whl/peers-*/peers.tar.xz.piece*-of-*; do
+      [ -f "$f" ] && cp "$f" /tmp/peer-pieces/ && echo "kept $(basename "$f")"
     done
+    if [ ! -f /tmp/peers/.unpacked ]; then
+      set -- /tmp/peer-pieces/peers.tar.xz.piece*-of-*
+      if [ -f "$1" ]; then
+        n=${1##*-of-}
+        if [ "$#" -eq "$n" ]; then
+          # The pieces in order (piece0-of-N, piece1-of-N, ...): one xz stream.
+          for i in $(seq 0 $((n - 1))); do cat "/tmp/peer-pieces/peers.tar.xz.piece$i-of-$n" || exit 1; done |
+            xz -d | tar -x -C /tmp/peers && touch /tmp/peers/.unpacked && echo "unpacked $n pieces into /tmp/peers" ||
+            { echo "unpack of the peers' pieces failed" >&2; exit 1; }
+        else
+          echo "$# of $n pieces on this machine: carry the next .whl/peers-* and call unpack again"
+        fi
+      fi
+    fi
     if ls .whl/peer-cache/peer-cache.tar.xz.part* >/dev/null 2>&1 && [ ! -f "$PEER_CACHE/.unpacked" ]; then
       cat .whl/peer-cache/peer-cache.tar.xz.part* | xz -d | tar -x -C "$PEER_CACHE" &&
         touch "$PEER_CACHE/.unpacked" && echo "unpacked the carried compile caches into $PEER_CACHE" ||
