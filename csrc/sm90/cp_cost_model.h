@@ -14,6 +14,9 @@
 //   phase 1 = waves(Hv sum c + m + warm + F ctas1 - D, len1)
 //   phase 2 = waves(m + F exact + D, max(L + F, len1 if D > 0))   (m: chunks of exact segments)
 //   scan    = kCpScanSteps (ceil(max c / L) - 1)
+// With the exact segments' outputs corrected instead of walked again (`corrected`,
+// cp_layout): no second pass, so nothing moves (D = 0) and phase 2 is the correction,
+// kCpCorrectSteps where there is an exact segment.
 //   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
 // plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
 #pragma once
@@ -32,6 +35,9 @@ constexpr double kCpFillSteps = 2.0;
 // cycles a scan step, ~6400 a chunk of a chain; bench/NOTES.md step 16. It was 0.75 before the
 // scan's copy warp).
 constexpr double kCpScanSteps = 0.45;
+// The correction of the exact segments' outputs (cp_correct_kernel: a 64 x K by K x V product a
+// chunk, all chunks at once) against a chunk-step: ~one chunk's time, a guess until measured.
+constexpr double kCpCorrectSteps = 1.0;
 // A split must beat no split by this factor.
 constexpr double kCpMinGain = 0.9;
 // cp.plan[kPlanChunks] when nothing splits.
@@ -66,16 +72,19 @@ FGDN_HOST_DEVICE inline double cp_unsplit_steps(double sum_c, double max_c, doub
 }
 
 FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c, double max_c, double L,
-                                        double hv, int sms) {
+                                        double hv, int sms, bool corrected) {
   const double exact = static_cast<double>(s.exact), m = static_cast<double>(s.exact_chunks);
   const double ctas1 = hv * static_cast<double>(s.items) + exact;
   const double len1 = (max_c < L ? max_c : L) + static_cast<double>(s.warm_max) + kCpFillSteps;
+  const unsigned long long walked_again = corrected ? 0 : s.exact;
   const double deferred =
-      static_cast<double>(cp_deferred(static_cast<unsigned long long>(ctas1), s.movable, s.exact, sms)) * len1;
+      static_cast<double>(cp_deferred(static_cast<unsigned long long>(ctas1), s.movable, walked_again, sms)) * len1;
   const double p1 =
       cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred, len1, sms);
   const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
-  const double p2 = exact > 0 ? cp_waves(m + kCpFillSteps * exact + deferred, len2, sms) : 0.0;
+  const double p2 = exact <= 0 ? 0.0
+                    : corrected ? kCpCorrectSteps
+                                : cp_waves(m + kCpFillSteps * exact + deferred, len2, sms);
   const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }
@@ -83,9 +92,9 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
 // The cost of candidate i (L = min_chunks 2^i), or -1 where nothing splits (the plan kernel
 // prices its candidates in parallel, a thread each).
 FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int i, int32_t min_chunks,
-                                                  double sum_c, double max_c, double hv, int sms) {
+                                                  double sum_c, double max_c, double hv, int sms, bool corrected) {
   const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
-  return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms);
+  return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms, corrected);
 }
 
 // What a split must cost less than: kCpMinGain x no split.
@@ -113,9 +122,11 @@ FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidate
 }
 
 FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
-                                                 double sum_c, double max_c, double n, double hv, int sms) {
+                                                 double sum_c, double max_c, double n, double hv, int sms,
+                                                 bool corrected) {
   double cost[kCpMaxCandidates];
-  for (int i = 0; i < candidates; ++i) cost[i] = cp_candidate_steps(stats[i], i, min_chunks, sum_c, max_c, hv, sms);
+  for (int i = 0; i < candidates; ++i)
+    cost[i] = cp_candidate_steps(stats[i], i, min_chunks, sum_c, max_c, hv, sms, corrected);
   return cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, n, hv, sms);
 }
 
@@ -142,7 +153,7 @@ struct CpSeqGroup {
 // with every head decaying, those cells give up a split the model prices within ~10-20
 // chunk-steps of the bar.
 inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks,
-                             int candidates, int sms) {
+                             int candidates, int sms, bool corrected) {
   double sum_c = 0.0, max_c = 0.0, n = 0.0;
   for (int64_t i = 0; i < n_groups; ++i) {
     sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
@@ -171,10 +182,22 @@ inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double 
       st.movable += (segs - 2) * count * warm_heads;  // middle warm-up segments, none followed by an exact one
     }
     st.warm_max = st.warm_chunks > 0 ? 1 : 0;
-    const double cost = cp_candidate_steps(st, c, min_chunks, sum_c, max_c, hv, sms);
+    const double cost = cp_candidate_steps(st, c, min_chunks, sum_c, max_c, hv, sms, corrected);
     if (cost >= 0.0 && cost + kCpPipelineSteps < bar) return true;
   }
   return false;
+}
+
+// Whether an exact segment's outputs are corrected from its start state (o = o_local +
+// S_start^T q~, fwd_context_parallel.h) instead of walked again: at the `fast` precision (o_local
+// takes one more rounding to q's dtype), without checkpoints (the second pass writes the exact
+// segments'), and where q~ for every token and head in q's 16-bit dtype (the heads that need it
+// are known only on the device) is no larger than the segments' two fp32 state arrays: the
+// few-head shapes, whose second pass is on the critical path. Slots as cp_layout bounds them.
+inline bool cp_corrects(int64_t tokens, int64_t max_slots, int64_t hv, int64_t d, bool high, bool checkpoints) {
+  const auto corr = static_cast<unsigned long long>(tokens) * hv * d * 2;
+  const auto states = 2ull * static_cast<unsigned long long>(max_slots) * hv * d * d * 4;
+  return !high && !checkpoints && max_slots > 0 && corr <= states;
 }
 
 // The shortest candidate: the smallest power of two, at least 4, above a quarter of the

@@ -315,7 +315,8 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 // sequence or segment), longest first, and the slots (segments of split sequences), in sequence
 // order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
-                                                                int32_t min_chunks, int32_t candidates,
+                                                                int32_t corrected, int32_t min_chunks,
+                                                                int32_t candidates,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
@@ -325,6 +326,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   } tmp;
   __shared__ int chosen;
   __shared__ int base[4];
+  __shared__ int exact_count;  // entries of t.exact
   extern __shared__ int4 plan_smem[];
   const PlanView v = plan_view(t, stage, plan_smem);
   const bool staged = stage.fits();
@@ -388,14 +390,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const double sum_c = static_cast<double>(all.sum_c), max_c = static_cast<double>(all.max_c);
     if (threadIdx.x < candidates) {
       const int i = static_cast<int>(threadIdx.x);
-      cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms);
+      cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms, corrected != 0);
     } else if (threadIdx.x == candidates) {
       cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms);
     }
     __syncthreads();
     if (threadIdx.x == 0) chosen = cp_pick_from(cost, candidates, min_chunks, cost[kCpMaxCandidates]);
   }
-  if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = 0;
+  if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = exact_count = 0;
   __syncthreads();
   const int64_t L = chosen;
 
@@ -504,6 +506,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
     t.warm[e] = warm;
     if (staged) v.warm[e] = warm;
+    // The correction's work list (cp_correct.cu); its order changes no result.
+    if (corrected && u.y > 0 && warm == kExactSegment) t.exact[atomicAdd(&exact_count, 1)] = static_cast<int32_t>(e);
   }
   // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and which: the last ones in item
   // order (items are longest first, so the shortest move), counted to the CTA, so that phase 1
@@ -526,7 +530,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long mv = movable_exact[0], ex = movable_exact[1];
-    deferred = cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, ex, sms);
+    // Corrected exact segments are not walked again: no second pass to fill.
+    deferred = cp_deferred(static_cast<unsigned long long>(n_items) * hv + ex, mv, corrected ? 0 : ex, sms);
     defer_from = INT32_MAX;  // nothing moves
   }
   __syncthreads();
@@ -555,6 +560,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     t.plan[kPlanItems] = n_items;
     t.plan[kPlanSlots] = n_slots;
     t.plan[kPlanSplits] = static_cast<int32_t>(min(static_cast<int64_t>(base[2]), max_splits));
+    t.plan[kPlanExact] = exact_count;
   }
 }
 
@@ -821,6 +827,14 @@ CpLayout cp_layout(const Problem& p, int sms) {
   const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
+  const int64_t L = c.min_chunks;
+  // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
+  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
+  // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
+  const int64_t max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
+  const size_t state_bytes = static_cast<size_t>(max_slots) * p.Hv * p.K * p.K * sizeof(float);
+  const bool corrected = cp_corrects(p.B * p.T, max_slots, p.Hv, p.K, p.precision == FGDN_PRECISION_HIGH,
+                                     p.checkpoint_every > 0);
   // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
   // workspace query, which sizes for the pipeline), no pipeline where a split with one exact
   // head per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture
@@ -834,20 +848,18 @@ CpLayout cp_layout(const Problem& p, int sms) {
       for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
     }
     if (!cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
-                           c.min_chunks, c.candidates, sms))
+                           c.min_chunks, c.candidates, sms, corrected))
       return c;
   }
   c.enabled = true;
-  const int64_t L = c.min_chunks;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
-  // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
-  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
-  // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
   c.max_items = p.N + ceil_div(sum_c, L);
-  c.max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
+  c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
   c.max_bounds = p.varlen ? sum_c / L : (C > L ? p.B * (ceil_div(C, L) - 1) : 0);
-  c.state_bytes = static_cast<size_t>(c.max_slots) * p.Hv * p.K * p.K * sizeof(float);
+  c.state_bytes = state_bytes;
+  c.corrected = corrected;
+  c.corr_bytes = corrected ? static_cast<size_t>(p.B * p.T) * p.Hv * p.K * 2 : 0;  // q~ in q's 16-bit dtype
   return c;
 }
 
@@ -873,7 +885,8 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
   launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream,
-                   "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.min_chunks, c.candidates,
+                   "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
+                   c.min_chunks, c.candidates,
                    c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
 }
 

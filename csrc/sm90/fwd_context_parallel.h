@@ -21,6 +21,12 @@
 //   6. forward phase 2: exact segments again from their true start state, writing o, and beside
 //               them the movable ones of the last items (cp_movable: results nobody reads
 //               before the call ends), so that the second pass does not run on idle SMs.
+// Where CpLayout::corrected, phase 1's two walks of an exact segment also write their outputs
+// (the N walk o_local into o, the M walk q~ = scale M_t^T q_t into cp.corr), and instead of
+// walking the segment again,
+//   5b. correct (a CTA per exact segment, head and chunk): o_t = o_local_t + S_start^T q~_t,
+//               with S_start the scanned state at the segment's start; all chunks at once;
+// phase 2 then runs nothing of the exact segments, and the plan defers nothing to it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,7 +47,8 @@ enum CpPlanWord : int {
   kPlanSplits = 3,  // split sequences
   kPlanBounds = 4,  // segment starts certified (multiples of L_min chunks)
   kPlanDeferFrom = 5,  // item CTAs (unit Hv + h) from here on run in phase 2 if movable (cp_movable)
-  kPlanWords = 6,
+  kPlanExact = 6,      // exact segments (slot > first, head) listed in CpTables::exact (corrected)
+  kPlanWords = 7,
 };
 
 // cp.warm[] value of a segment that takes the exact path.
@@ -71,6 +78,10 @@ struct CpLayout {
   int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
+  // The exact segments' outputs corrected (5b above) instead of walked again (cp_corrects:
+  // `fast`, no checkpoints, q~ no larger than the two slot arrays).
+  bool corrected = false;
+  size_t corr_bytes = 0;
 };
 
 // p.context_parallel: FGDN_CONTEXT_PARALLEL_OFF never, _ON always, _AUTO when the longest
@@ -88,11 +99,15 @@ struct CpTables {
   float* chunk_gate;    // [boundary x window chunk x Hv]: the chunk's summed gate, +inf: refused
   int32_t* bound_warm;  // [boundary x Hv]: the warm-up chunks or kExactSegment (where the plan
                         // does not keep them in shared memory)
+  int32_t* exact;       // where corrected: the exact segments' entries slot Hv + h, in no
+                        // particular order (plan[kPlanExact] of them); else nullptr
 };
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
+// q, k, v (and o, cp.corr) in bf16 (else fp16). Launched after the scan where c.corrected.
+void launch_cp_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, bool bf16, cudaStream_t stream);
 
 }  // namespace flashgdn::sm90

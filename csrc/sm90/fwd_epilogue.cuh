@@ -175,12 +175,15 @@ __device__ __forceinline__ void store_output(const FwdParams& p, typename Tr::Ti
     stmatrix_x4_trans(base + swizzle128(t, 2 * warp + (m & 1)), r);
   }
   named_barrier_sync(bar, 128);
-  Tin* dst = static_cast<Tin*>(p.o) + w.b * p.os0 + w.h * p.os2 + 64 * sw;
+  // o, or an exact segment's q~ (WorkItem::out_corr), of the same shape.
+  Tin* dst = w.out_corr ? static_cast<Tin*>(p.cp.corr) + w.b * p.cp.cs0 + w.h * p.cp.cs2 + 64 * sw
+                        : static_cast<Tin*>(p.o) + w.b * p.os0 + w.h * p.os2 + 64 * sw;
+  const int64_t row_stride = w.out_corr ? p.cp.cs1 : p.os1;
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     const int idx = tid + 128 * u, t = idx >> 3, ch = idx & 7;
     if (t < len) {
-      st_global_v4(dst + (t_chunk + t) * p.os1 + 8 * ch, ld_shared_v4(base + swizzle128(t, ch)));
+      st_global_v4(dst + (t_chunk + t) * row_stride + 8 * ch, ld_shared_v4(base + swizzle128(t, ch)));
     }
   }
 }

@@ -33,12 +33,14 @@ int sm_count(int device_id) {
 
 // Workspace layout: [checkpoint row offsets (varlen with checkpoints)] [packed q] [packed k]
 // [packed v] (the packed copies only for tensors TMA cannot address as they are), then with
-// context parallelism the plan's tables and the segments' end states and transfer matrices.
+// context parallelism the plan's tables, the segments' end states and transfer matrices, and
+// where the exact segments' outputs are corrected, q~ ([B, T, Hv, K] in q's dtype).
 struct Workspace {
   size_t ckpt = 0, q = 0, k = 0, v = 0;
   CpLayout cp;
   size_t cp_plan = 0, cp_items = 0, cp_slots = 0, cp_splits = 0, cp_warm = 0;
-  size_t cp_bounds = 0, cp_chunk_gate = 0, cp_bound_warm = 0, cp_ends = 0, cp_trans = 0;
+  size_t cp_bounds = 0, cp_chunk_gate = 0, cp_bound_warm = 0, cp_ends = 0, cp_trans = 0, cp_corr = 0;
+  size_t cp_exact = 0;
   size_t total = 0;
 };
 
@@ -68,6 +70,8 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
     w.cp_bound_warm = take(static_cast<size_t>(c.max_bounds) * p.Hv * sizeof(int32_t));
     w.cp_ends = take(c.state_bytes);
     w.cp_trans = take(c.state_bytes);
+    w.cp_corr = take(c.corr_bytes);
+    w.cp_exact = take(c.corrected ? static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t) : 0);
   }
   w.total = off;
   return w;
@@ -205,7 +209,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     return;
   }
   // Context parallelism (fwd_context_parallel.h): boundaries, certificate, plan, phase 1, scan,
-  // phase 2.
+  // then phase 2 or the exact segments' correction.
   const CpLayout& c = wl.cp;
   CpTables t;
   t.plan = reinterpret_cast<int32_t*>(ws + wl.cp_plan);
@@ -216,6 +220,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   t.bounds = reinterpret_cast<int4*>(ws + wl.cp_bounds);
   t.chunk_gate = reinterpret_cast<float*>(ws + wl.cp_chunk_gate);
   t.bound_warm = reinterpret_cast<int32_t*>(ws + wl.cp_bound_warm);
+  t.exact = c.corrected ? reinterpret_cast<int32_t*>(ws + wl.cp_exact) : nullptr;
   fp.cp.max_slots = static_cast<int32_t>(c.max_slots);
   fp.cp.plan = t.plan;
   fp.cp.items = t.items;
@@ -223,12 +228,23 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   fp.cp.warm = t.warm;
   fp.cp.ends = reinterpret_cast<float*>(ws + wl.cp_ends);
   fp.cp.trans = reinterpret_cast<float*>(ws + wl.cp_trans);
+  if (c.corrected) {
+    fp.cp.corr = ws + wl.cp_corr;
+    fp.cp.cs2 = p.K;
+    fp.cp.cs1 = p.Hv * p.K;
+    fp.cp.cs0 = p.T * p.Hv * p.K;
+  }
   launch_cp_bounds(c, fp, t, stream);
   launch_cp_certify(c, fp, t, stream);
   launch_cp_plan(c, fp, t, stream);
   fp.cp.phase = 1;
   launch(fp, (c.max_slots + c.max_items) * p.Hv, false);
   launch_cp_scan(c, fp, t, stream);
+  if (c.corrected) {
+    // No second pass: the exact segments are corrected and the plan defers nothing.
+    launch_cp_correct(c, fp, t, p.qkv_dtype == FGDN_BFLOAT16, stream);
+    return;
+  }
   fp.cp.phase = 2;
   launch(fp, (c.max_slots + c.max_items) * p.Hv, false);
 }

@@ -33,6 +33,11 @@ struct CpRef {
   const int32_t* warm = nullptr;   // [slot x Hv]: warm-up chunks (>= 0) or kExactSegment
   float* ends = nullptr;           // [slot][Hv][D][D] fp32: segment end states (E / N)
   float* trans = nullptr;          // [slot][Hv][D][D] fp32: transfer matrices M
+  // The exact segments' corrected outputs (CpLayout::corrected; nullptr: walked again in phase
+  // 2): q~_t = scale M_t^T q_t, the M walk's output, [B, T, Hv, K] in the dtype of q, element
+  // strides cs0, cs1, cs2.
+  void* corr = nullptr;
+  int64_t cs0 = 0, cs1 = 0, cs2 = 0;
 };
 
 struct FwdParams {

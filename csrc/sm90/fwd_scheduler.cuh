@@ -44,6 +44,8 @@ struct WorkItem {
   int32_t init;        // StateInit
   int32_t end;         // StateEnd
   int32_t slot;        // CP slot (segment of a split sequence), -1 otherwise
+  int32_t out_corr;    // 1: the walk's output goes to cp.corr, not o (an exact segment's M walk
+                       // where its outputs are corrected: q~ = scale M_t^T q_t)
   bool active;         // false: a surplus unit of a CP grid (nothing to do)
 
   // Tokens of chunk j (1..64).
@@ -74,6 +76,8 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
 //   phase 2: indices [0, max_slots Hv): exact segments again, from the scanned true start
 //            state, writing o; the rest: the movable items whose index unit Hv + h is at least
 //            plan[kPlanDeferFrom], which phase 1 skipped.
+// With cp.corr (the exact segments' outputs corrected, fwd_context_parallel.h), phase 1's M walk
+// writes q~ into cp.corr and its N walk o_local into o, and phase 2 does not walk them again.
 __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p, int32_t index) {
   WorkItem w;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -85,6 +89,7 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p, int32_t in
   w.init = kInitH0;
   w.end = kEndFinal;
   w.slot = -1;
+  w.out_corr = 0;
   w.active = true;
   int32_t seg = 0;
   bool trans = false, deferred_item = false;
@@ -120,17 +125,24 @@ __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p, int32_t in
     finish = min(finish, begin + seg_tokens);
     const int32_t warm = seg == 0 ? 0 : p.cp.warm[w.slot * hv + w.h];
     const bool exact = seg > 0 && warm == kExactSegment;
+    const bool corrected = p.cp.corr != nullptr;
     if (trans || (p.cp.phase == 2 && !deferred_item)) {
-      w.active = exact;  // M, and the second pass, only for exact segments
+      // M, and the second pass, only for exact segments; no second pass where corrected.
+      w.active = exact && (trans || !corrected);
       w.init = trans ? kInitIdentity : kInitPrevEnd;
       w.end = trans ? kEndTrans : kEndNone;
-      if (trans) w.out_chunk0 = INT32_MAX;
+      if (trans) {
+        w.out_chunk0 = corrected ? 0 : INT32_MAX;
+        w.out_corr = corrected ? 1 : 0;
+      }
     } else {
       w.end = deferred_item ? kEndNone : kEndSlot;  // nobody reads a movable CTA's end state
       if (seg > 0) {
         w.init = kInitZero;
         if (exact) {
-          w.out_chunk0 = INT32_MAX;  // N only; o comes from the second pass
+          // N; o_local where corrected (cp_correct_kernel adds the start state's part), else
+          // no o: it comes from the second pass.
+          w.out_chunk0 = corrected ? 0 : INT32_MAX;
         } else {
           begin -= 64 * warm;
           w.out_chunk0 = warm;

@@ -62,7 +62,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   WorkItem w = item;
   if constexpr (Tr::kSplitState) {
     for (int32_t* f : {&w.n, &w.h, &w.hq, &w.b, &w.t0, &w.len, &w.nchunks, &w.out_chunk0, &w.seq_chunk0,
-                       &w.init, &w.end, &w.slot})
+                       &w.init, &w.end, &w.slot, &w.out_corr})
       *f = __shfl_sync(0xffffffffu, *f, 0);
     c0 = __shfl_sync(0xffffffffu, c0, 0);
   }

@@ -28,7 +28,7 @@ struct Choice {
   double cost, unsplit;
 };
 
-Choice plan(const Shape& s, int sms = kH100Sms) {
+Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   const int64_t hv = static_cast<int64_t>(s.warm.size());
   int64_t sum_c = 0, max_c = 0;
   std::vector<int64_t> c;
@@ -59,11 +59,13 @@ Choice plan(const Shape& s, int sms = kH100Sms) {
     }
   }
   const double n = static_cast<double>(c.size());
-  r.chunks = cp_choose_chunks(st, kCpMaxCandidates, r.min_chunks, double(sum_c), double(max_c), n, double(hv), sms);
+  r.chunks = cp_choose_chunks(st, kCpMaxCandidates, r.min_chunks, double(sum_c), double(max_c), n, double(hv), sms,
+                              corrected);
   r.unsplit = cp_unsplit_steps(double(sum_c), double(max_c), n, double(hv), sms);
   r.cost = r.chunks == kCpNoSplit ? r.unsplit
                                   : cp_steps(st[__builtin_ctz(static_cast<unsigned>(r.chunks / r.min_chunks))],
-                                             double(sum_c), double(max_c), double(r.chunks), double(hv), sms);
+                                             double(sum_c), double(max_c), double(r.chunks), double(hv), sms,
+                                             corrected);
   return r;
 }
 
@@ -98,20 +100,30 @@ TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
   EXPECT_NEAR(r.cost / r.unsplit, 0.357, 0.005);
 }
 
-// The host's test before any pipeline launch (cp_pipeline_pays), with L_min as cp_layout takes
-// it: from the balanced load over the chunk slots (varlen: a bound, ceil(T / 64) + N).
-bool pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
+// The host's test before any pipeline launch (cp_pipeline_pays), with L_min and the correction
+// of exact segments (cp_corrects, K = V = 128, `fast`) as cp_layout takes them: from the
+// balanced load over the chunk slots (varlen: a bound, ceil(T / 64) + N).
+struct HostChoice {
+  bool runs, corrected;
+};
+HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
   std::vector<CpSeqGroup> groups;
-  int64_t total = 0, slots = 0;
+  int64_t total = 0, slots = 0, longest = 0;
   for (int64_t t : tokens) {
     groups.push_back({(t + 63) / 64, 1});
     total += t;
     slots += (t + 63) / 64;
+    longest = std::max(longest, t);
   }
   if (varlen) slots = (total + 63) / 64 + static_cast<int64_t>(tokens.size());
   const int32_t min_chunks = cp_min_chunks((hv * slots + kH100Sms - 1) / kH100Sms);
-  return cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
-                           kCpMaxCandidates, kH100Sms);
+  const int64_t C = varlen ? (total + 63) / 64 : (longest + 63) / 64;
+  const int64_t max_slots = varlen ? 2 * ((slots + min_chunks - 1) / min_chunks)
+                                   : (C > min_chunks ? static_cast<int64_t>(tokens.size()) * ((C + min_chunks - 1) / min_chunks) : 0);
+  const bool corrected = cp_corrects(total, max_slots, hv, 128, false, false);
+  return {cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
+                           kCpMaxCandidates, kH100Sms, corrected),
+          corrected};
 }
 
 TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
@@ -133,8 +145,6 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
       // ... and, priced with one exact head (step 24), where it ran and lost with head 0 not
       // decaying (graph replays, us, at 97f1599 or 0da658b; 2/8 8x4096 in ms at step 17):
       {"16/64 1x4096 (254 / 225)", {4096}, 64, false, false},
-      {"16/32 1x2048 (125 / 117)", {2048}, 32, false, false},
-      {"8/32 1x2048 (115 / 117, a tie)", {2048}, 32, false, false},
       {"4/4 B8x2048 (138 / 118)", std::vector<int64_t>(8, 2048), 4, false, false},
       {"2/8 8x4096 varlen (0.273 / 0.230)", std::vector<int64_t>(8, 4096), 8, true, false},
       {"8/24 8x4096 varlen (518 / 466)", std::vector<int64_t>(8, 4096), 24, true, false},
@@ -146,8 +156,16 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
       {"2/8 1x2048 (0.079 / 0.115)", {2048}, 8, false, true},
       {"4/16 2x16384 varlen (0.464 / 0.877)", {16384, 16384}, 16, true, true},
       {"2/8 mix of 1x16384 and 32x512", mix, 8, true, true},
+      // Where the exact segments are corrected (step 27), not walked again, it runs and wins
+      // where it lost before (graph replays, us, auto / off; walked, it was 125 / 117 and
+      // 115 / 117):
+      {"16/32 1x2048, corrected (106 / 115)", {2048}, 32, false, true},
+      {"8/32 1x2048, corrected (97 / 116)", {2048}, 32, false, true},
   };
-  for (const Case& c : cases) EXPECT_EQ(pipeline_pays(c.tokens, c.hv, c.varlen), c.runs) << c.cell;
+  for (const Case& c : cases) {
+    const HostChoice h = pipeline_pays(c.tokens, c.hv, c.varlen);
+    EXPECT_EQ(h.runs, c.runs) << c.cell << (h.corrected ? " (corrected)" : "");
+  }
 }
 
 TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {
