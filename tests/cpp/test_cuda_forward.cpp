@@ -241,6 +241,15 @@ std::vector<ft::Spec> cp_cases() {
   ft::Spec s = with_h0(dense_d("cp_auto_bf16_T4096_Hv2_D128", 1, 4096, 1, 2, 128));
   s.l2norm = true;
   add(s, 0);
+  // The correction of exact segments (cp_correct.cu) at fp16 and at D = 64, and with the gate in
+  // the kernel: `fast` without checkpoints (the cases above with checkpoints walk again).
+  s = with_h0(dense_d("cp_fp16_B2_T700_Hv4_D64_corrected", 2, 700, 2, 4, 64, FGDN_FLOAT16));
+  s.l2norm = true;
+  add(s, 64);
+  s = with_h0(varlen_d("cp_varlen_gate_in_kernel_D64_corrected", {0, 70, 70, 900, 1000}, 2, 4, 64));
+  s.l2norm = true;
+  s.gate_in_kernel = true;
+  add(s, 128);
   return v;
 }
 
