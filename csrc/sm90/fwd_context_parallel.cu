@@ -313,7 +313,8 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 // from the sequence lengths and the warm-ups of the boundaries it starts segments on (k a
 // multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
 // sequence or segment), longest first, and the slots (segments of split sequences), in sequence
-// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's.
+// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
+// where the exact segments are corrected, their list (t.exact). Pass 4: what phase 2 takes.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t corrected, int32_t min_chunks,
                                                                 int32_t candidates,

@@ -199,6 +199,21 @@ TEST(CpCostModel, PhaseTwoTakesMovableCtasOnlyBesideExactWork) {
   EXPECT_EQ(cp_deferred(300, 10, 7, 132), 0u);   // fewer movable CTAs than phase 1's last wave
 }
 
+TEST(CpCostModel, ExactSegmentsAreCorrectedWhereQTildeFitsBesideTheStates) {
+  // q~ is B T Hv K 2 bytes; the two state arrays 2 slots Hv K K 4. Dense one sequence at K = 128:
+  // slots = C / L_min, so q~ fits while L_min <= 8 chunks.
+  EXPECT_TRUE(cp_corrects(4096, 16, 8, 128, false, false));     // 2/8 1x4096, L_min = 4
+  EXPECT_TRUE(cp_corrects(16384, 32, 8, 128, false, false));    // 2/8 1x16384, L_min = 8
+  EXPECT_FALSE(cp_corrects(32768, 32, 8, 128, false, false));   // 2/8 1x32768, L_min = 16
+  EXPECT_FALSE(cp_corrects(32768, 8, 64, 128, false, false));   // 16/64 1x32768, L_min = 64
+  EXPECT_TRUE(cp_corrects(32768, 66, 8, 128, false, false));    // varlen's bound: 2 x 33 slots
+  EXPECT_FALSE(cp_corrects(4096, 16, 8, 128, true, false));     // `high` walks again
+  EXPECT_FALSE(cp_corrects(4096, 16, 8, 128, false, true));     // so do checkpoints
+  EXPECT_FALSE(cp_corrects(4096, 0, 8, 128, false, false));     // nothing splits
+  EXPECT_TRUE(cp_corrects(2048, 8, 4, 64, false, false));       // K = 64: L_min <= 4 chunks
+  EXPECT_FALSE(cp_corrects(4096, 8, 4, 64, false, false));      // L_min = 8
+}
+
 TEST(CpCostModel, MinChunksIsAPowerOfTwoAboveAQuarterOfTheBalancedLoad) {
   EXPECT_EQ(cp_min_chunks(0), 4);
   EXPECT_EQ(cp_min_chunks(31), 8);
