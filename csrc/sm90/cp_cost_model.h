@@ -192,12 +192,15 @@ inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double 
 // S_start^T q~, fwd_context_parallel.h) instead of walked again: at the `fast` precision (o_local
 // takes one more rounding to q's dtype), without checkpoints (the second pass writes the exact
 // segments'), and where q~ for every token and head in q's 16-bit dtype (the heads that need it
-// are known only on the device) is no larger than the segments' two fp32 state arrays: the
-// few-head shapes, whose second pass is on the critical path. Slots as cp_layout bounds them.
-inline bool cp_corrects(int64_t tokens, int64_t max_slots, int64_t hv, int64_t d, bool high, bool checkpoints) {
-  const auto corr = static_cast<unsigned long long>(tokens) * hv * d * 2;
-  const auto states = 2ull * static_cast<unsigned long long>(max_slots) * hv * d * d * 4;
-  return !high && !checkpoints && max_slots > 0 && corr <= states;
+// are known only on the device) is no larger than the segments' two fp32 state arrays for any
+// call of this shortest segment length L_min: the few-head shapes, whose second pass is on the
+// critical path. A sequence of C chunks has at most 64 C tokens, and the slots are C / L_min
+// (dense) or a bound of twice that (varlen), so q~ <= the states when 16 L_min <= K (dense) or
+// 8 L_min <= K (varlen). It depends on nothing else of the call, so that with a fixed segment
+// length a sequence's bits stay independent of the other sequences packed with it (a rule from
+// the pack's own sizes flipped with, e.g., the number of empty sequences beside it).
+FGDN_HOST_DEVICE inline bool cp_corrects(int32_t min_chunks, int64_t d, bool varlen, bool high, bool checkpoints) {
+  return !high && !checkpoints && static_cast<int64_t>(min_chunks) * (varlen ? 8 : 16) <= d;
 }
 
 // The shortest candidate: the smallest power of two, at least 4, above a quarter of the

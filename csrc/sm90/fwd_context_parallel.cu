@@ -834,8 +834,8 @@ CpLayout cp_layout(const Problem& p, int sms) {
   // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
   const int64_t max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   const size_t state_bytes = static_cast<size_t>(max_slots) * p.Hv * p.K * p.K * sizeof(float);
-  const bool corrected = cp_corrects(p.B * p.T, max_slots, p.Hv, p.K, p.precision == FGDN_PRECISION_HIGH,
-                                     p.checkpoint_every > 0);
+  const bool corrected = max_slots > 0 && cp_corrects(c.min_chunks, p.K, p.varlen,
+                                                      p.precision == FGDN_PRECISION_HIGH, p.checkpoint_every > 0);
   // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
   // workspace query, which sizes for the pipeline), no pipeline where a split with one exact
   // head per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture

@@ -79,7 +79,7 @@ struct CpLayout {
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
   // The exact segments' outputs corrected (5b above) instead of walked again (cp_corrects:
-  // `fast`, no checkpoints, q~ no larger than the two slot arrays).
+  // `fast`, no checkpoints, segments short enough that q~ never exceeds the two slot arrays).
   bool corrected = false;
   size_t corr_bytes = 0;
 };

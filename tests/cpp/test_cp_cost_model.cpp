@@ -117,10 +117,9 @@ HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool va
   }
   if (varlen) slots = (total + 63) / 64 + static_cast<int64_t>(tokens.size());
   const int32_t min_chunks = cp_min_chunks((hv * slots + kH100Sms - 1) / kH100Sms);
-  const int64_t C = varlen ? (total + 63) / 64 : (longest + 63) / 64;
-  const int64_t max_slots = varlen ? 2 * ((slots + min_chunks - 1) / min_chunks)
-                                   : (C > min_chunks ? static_cast<int64_t>(tokens.size()) * ((C + min_chunks - 1) / min_chunks) : 0);
-  const bool corrected = cp_corrects(total, max_slots, hv, 128, false, false);
+  const int64_t C = (longest + 63) / 64;
+  const bool splits = varlen || C > min_chunks;  // dense: max_slots > 0
+  const bool corrected = splits && cp_corrects(min_chunks, 128, varlen, false, false);
   return {cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
                            kCpMaxCandidates, kH100Sms, corrected),
           corrected};
@@ -199,19 +198,34 @@ TEST(CpCostModel, PhaseTwoTakesMovableCtasOnlyBesideExactWork) {
   EXPECT_EQ(cp_deferred(300, 10, 7, 132), 0u);   // fewer movable CTAs than phase 1's last wave
 }
 
-TEST(CpCostModel, ExactSegmentsAreCorrectedWhereQTildeFitsBesideTheStates) {
-  // q~ is B T Hv K 2 bytes; the two state arrays 2 slots Hv K K 4. Dense one sequence at K = 128:
-  // slots = C / L_min, so q~ fits while L_min <= 8 chunks.
-  EXPECT_TRUE(cp_corrects(4096, 16, 8, 128, false, false));     // 2/8 1x4096, L_min = 4
-  EXPECT_TRUE(cp_corrects(16384, 32, 8, 128, false, false));    // 2/8 1x16384, L_min = 8
-  EXPECT_FALSE(cp_corrects(32768, 32, 8, 128, false, false));   // 2/8 1x32768, L_min = 16
-  EXPECT_FALSE(cp_corrects(32768, 8, 64, 128, false, false));   // 16/64 1x32768, L_min = 64
-  EXPECT_TRUE(cp_corrects(32768, 66, 8, 128, false, false));    // varlen's bound: 2 x 33 slots
-  EXPECT_FALSE(cp_corrects(4096, 16, 8, 128, true, false));     // `high` walks again
-  EXPECT_FALSE(cp_corrects(4096, 16, 8, 128, false, true));     // so do checkpoints
-  EXPECT_FALSE(cp_corrects(4096, 0, 8, 128, false, false));     // nothing splits
-  EXPECT_TRUE(cp_corrects(2048, 8, 4, 64, false, false));       // K = 64: L_min <= 4 chunks
-  EXPECT_FALSE(cp_corrects(4096, 8, 4, 64, false, false));      // L_min = 8
+TEST(CpCostModel, ExactSegmentsAreCorrectedForShortSegmentsOnly) {
+  // From L_min, K and the layout alone (so that a sequence's bits do not depend on its pack).
+  EXPECT_TRUE(cp_corrects(8, 128, false, false, false));    // dense: L_min <= K / 16
+  EXPECT_FALSE(cp_corrects(16, 128, false, false, false));
+  EXPECT_TRUE(cp_corrects(16, 128, true, false, false));    // varlen: L_min <= K / 8
+  EXPECT_FALSE(cp_corrects(32, 128, true, false, false));
+  EXPECT_TRUE(cp_corrects(4, 64, false, false, false));
+  EXPECT_FALSE(cp_corrects(8, 64, false, false, false));
+  EXPECT_FALSE(cp_corrects(4, 128, false, true, false));    // `high` walks again
+  EXPECT_FALSE(cp_corrects(4, 128, false, false, true));    // so do checkpoints
+}
+
+TEST(CpCostModel, CorrectedQTildeNeverExceedsTheStateArrays) {
+  // q~ (tokens Hv K 2 bytes) against the two state arrays (2 max_slots Hv K K 4 bytes, max_slots as
+  // cp_layout bounds it) over dense batches and varlen packs, including many empty sequences.
+  for (int64_t K : {64, 128})
+    for (int32_t L : {4, 8, 16, 32, 64})
+      for (bool varlen : {false, true})
+        for (int64_t n : {1, 2, 7, 33, 300})
+          for (int64_t len : {0, 1, 63, 64, 65, 1000, 4096, 20000}) {
+            if (!varlen && len == 0) continue;
+            const int64_t tokens = n * len, C = (len + 63) / 64;
+            const int64_t sum_c = varlen ? (tokens + 63) / 64 + n : n * C;
+            const int64_t max_slots = varlen ? 2 * ((sum_c + L - 1) / L) : (C > L ? n * ((C + L - 1) / L) : 0);
+            if (max_slots == 0 || !cp_corrects(L, K, varlen, false, false)) continue;
+            EXPECT_LE(tokens * K * 2, 2 * max_slots * K * K * 4)
+                << "K " << K << " L " << L << (varlen ? " varlen " : " dense ") << n << " x " << len;
+          }
 }
 
 TEST(CpCostModel, MinChunksIsAPowerOfTwoAboveAQuarterOfTheBalancedLoad) {
