@@ -163,12 +163,10 @@ void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   const int64_t grid = std::min<int64_t>(units, 2 * static_cast<int64_t>(c.sms));
   if (grid <= 0) return;
   constexpr size_t bytes = correct_smem_bytes<kD, Tin>();
-  static const bool sized = [] {  // once per process: a property of the kernel
-    FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(bytes)));
-    return true;
-  }();
-  (void)sized;
+  // Every call, as the scan and the plan do: the opt-in holds for the current device only (a
+  // once-per-process call left a second GPU of the process without it).
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(bytes)));
   launch_dependent(cp_correct_kernel<kD, Tin>, dim3(static_cast<unsigned>(grid)), dim3(kCorrectThreads), bytes,
                    stream, "cp_correct_kernel", fp, t);
 }
