@@ -24,60 +24,62 @@ namespace {
 
 constexpr int kCorrectThreads = 128;  // four warps, 16 tokens of the chunk each
 
-// S_start^T in shared memory as two 16-bit halves, hi = S rounded to q's dtype and lo = S - hi
-// rounded (S to ~16 bits: the start state of an exact head is the largest term of its o). Rows
-// are padded to kD + 8 elements: the B fragments' 32-bit reads of a warp (rows g, columns 2 q)
-// fall on banks 4 g + q, 32 distinct ones.
+// Shared memory: S_start [k][v] in fp32 as it arrives (cp.async; rows padded to kD + 4 floats,
+// 16-byte aligned), then S_start^T as two 16-bit halves [v][k], hi = S rounded to q's dtype and
+// lo = S - hi rounded (S to ~16 bits: the start state of an exact head is the largest term of
+// its o), rows padded to kD + 8 elements: the B fragments' 32-bit reads of a warp (rows g,
+// columns 2 q) fall on banks 4 g + q, 32 distinct ones.
+template <int kD>
+constexpr int kRawPitch = kD + 4;
 template <int kD>
 constexpr int kCorrectPitch = kD + 8;
 template <int kD, typename Tin>
 constexpr size_t correct_smem_bytes() {
-  return 2u * kD * kCorrectPitch<kD> * sizeof(Tin);
+  return static_cast<size_t>(kD) * kRawPitch<kD> * sizeof(float) + 2u * kD * kCorrectPitch<kD> * sizeof(Tin);
 }
 
-// S_start [k][v] (fp32, global) into hi and lo [v][k]: a thread takes rows k, k + 1 of four
-// columns at a time (two 16-byte loads, four 32-bit stores of each half), eight such at once so
-// that their loads are in flight together; the lanes of a warp take consecutive k, so that each
-// store of the warp is one row's consecutive words (with consecutive columns it was 16-way
-// bank-conflicted).
+// S_start's copies into `raw`, 16 bytes each, all in flight at once (one commit group).
+template <int kD>
+__device__ __forceinline__ void copy_start_state(const float* S, float (*raw)[kRawPitch<kD>]) {
+  for (int i = static_cast<int>(threadIdx.x); i < kD * kD / 4; i += kCorrectThreads) {
+    const int k = i / (kD / 4), v = 4 * (i % (kD / 4));
+    cp_async_16(&raw[k][v], S + k * kD + v);
+  }
+  cp_async_commit();
+}
+
+// raw [k][v] (fp32) into hi and lo [v][k]: a thread takes rows k, k + 1 of four columns (two
+// 16-byte shared loads, four 32-bit stores of each half); the lanes of a warp take consecutive
+// k, so that each store of the warp is one row's consecutive words.
 template <int kD, typename Tin>
-__device__ __forceinline__ void stage_start_state(const float* S, Tin (*hi)[kCorrectPitch<kD>],
+__device__ __forceinline__ void split_start_state(float (*raw)[kRawPitch<kD>], Tin (*hi)[kCorrectPitch<kD>],
                                                   Tin (*lo)[kCorrectPitch<kD>]) {
-  constexpr int kItems = (kD / 2) * (kD / 4), kBatch = 8;
-  for (int base = 0; base < kItems; base += kCorrectThreads * kBatch) {
-    float4 x0[kBatch], x1[kBatch];
+  constexpr int kItems = (kD / 2) * (kD / 4);
+#pragma unroll 4
+  for (int i = static_cast<int>(threadIdx.x); i < kItems; i += kCorrectThreads) {
+    const int k = 2 * (i % (kD / 2)), v = 4 * (i / (kD / 2));
+    const float4 x0 = *reinterpret_cast<const float4*>(&raw[k][v]);
+    const float4 x1 = *reinterpret_cast<const float4*>(&raw[k + 1][v]);
+    const float a[4] = {x0.x, x0.y, x0.z, x0.w}, b[4] = {x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * kCorrectThreads + static_cast<int>(threadIdx.x);
-      if (i < kItems) {
-        const int k = 2 * (i % (kD / 2)), v = 4 * (i / (kD / 2));
-        x0[u] = *reinterpret_cast<const float4*>(S + k * kD + v);
-        x1[u] = *reinterpret_cast<const float4*>(S + (k + 1) * kD + v);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * kCorrectThreads + static_cast<int>(threadIdx.x);
-      if (i >= kItems) continue;
-      const int k = 2 * (i % (kD / 2)), v = 4 * (i / (kD / 2));
-      const float a[4] = {x0[u].x, x0[u].y, x0[u].z, x0[u].w}, b[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t h = cuda::pack2<Tin>(a[e], b[e]);
-        const float2 hf = unpack2<Tin>(h);
-        *reinterpret_cast<uint32_t*>(&hi[v + e][k]) = h;
-        *reinterpret_cast<uint32_t*>(&lo[v + e][k]) = cuda::pack2<Tin>(a[e] - hf.x, b[e] - hf.y);
-      }
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t h = cuda::pack2<Tin>(a[e], b[e]);
+      const float2 hf = unpack2<Tin>(h);
+      *reinterpret_cast<uint32_t*>(&hi[v + e][k]) = h;
+      *reinterpret_cast<uint32_t*>(&lo[v + e][k]) = cuda::pack2<Tin>(a[e] - hf.x, b[e] - hf.y);
     }
   }
 }
 
 // mma.sync m16n8k16 (fp32 accumulation): A = q~ (16 tokens x K, row-major, straight from global
-// memory, as phase 1 rounded it), B = S_start (K x V) as hi + lo.
+// memory, as phase 1 rounded it), B = S_start (K x V) as hi + lo. A unit's memory is one chain of
+// three waits: its list entry {slot Hv + h, n, seg} (the plan writes what the unit needs), then
+// S_start's copies, the sequence's offsets and, once those are in, q~ and o_local together.
 template <int kD, typename Tin>
 __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __grid_constant__ FwdParams p, CpTables t) {
   extern __shared__ __align__(16) unsigned char correct_smem[];
-  auto* hi = reinterpret_cast<Tin(*)[kCorrectPitch<kD>]>(correct_smem);
+  auto* raw = reinterpret_cast<float(*)[kRawPitch<kD>]>(correct_smem);
+  auto* hi = reinterpret_cast<Tin(*)[kCorrectPitch<kD>]>(correct_smem + kD * kRawPitch<kD> * sizeof(float));
   auto* lo = hi + kD;
   grid_dependency_wait();  // the scan's start states (and, before it, phase 1's o_local and q~)
   launch_dependents();
@@ -88,27 +90,22 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
   const int r0 = 16 * warp + g, r1 = r0 + 8;  // the thread's rows of the chunk
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const int32_t j = static_cast<int32_t>(unit % L);
-    const int32_t e = t.exact[unit / L];
-    const int32_t h = e % hv, slot = e / hv;
-    const int4 u = t.slots[slot];  // {n, seg, nseg, first boundary}
-    const cuda::SeqInfo si = cuda::seq_info(p.seq, u.x);
-    const int64_t begin = (static_cast<int64_t>(u.y) * L + j) * 64;
-    const int64_t seg_end = (static_cast<int64_t>(u.y) + 1) * L * 64;
+    const int4 x = t.exact[unit / L];  // {slot Hv + h, n, seg, 0}
+    const int32_t h = x.x % hv, slot = x.x / hv;
+    __syncthreads();  // the previous unit's reads of raw, hi and lo are done
+    copy_start_state<kD>(p.cp.ends + (static_cast<int64_t>(slot - 1) * hv + h) * kD * kD, raw);
+    const cuda::SeqInfo si = cuda::seq_info(p.seq, x.y);
+    const int64_t begin = (static_cast<int64_t>(x.z) * L + j) * 64;
+    const int64_t seg_end = (static_cast<int64_t>(x.z) + 1) * L * 64;
     const int64_t end = si.len < seg_end ? si.len : seg_end;
-    if (begin >= end) continue;
-    const int len = end - begin < 64 ? static_cast<int>(end - begin) : 64;
+    const int len = begin >= end ? 0 : (end - begin < 64 ? static_cast<int>(end - begin) : 64);
 
-    __syncthreads();  // the previous unit's reads of hi and lo are done
-    stage_start_state<kD, Tin>(p.cp.ends + (static_cast<int64_t>(slot - 1) * hv + h) * kD * kD, hi, lo);
-    __syncthreads();
-
+    // q~ and o_local while S_start's copies fly (a chunk past the sequence's end: len 0, no
+    // loads or stores, but the unit still takes part in the block's barriers).
     const int64_t t_chunk = si.t0 + begin;  // the chunk's first token within batch row si.b
     const Tin* qt = static_cast<const Tin*>(p.cp.corr) + si.b * p.cp.cs0 + h * p.cp.cs2;
     const Tin* q0 = qt + (t_chunk + r0) * p.cp.cs1;
     const Tin* q1 = qt + (t_chunk + r1) * p.cp.cs1;
-    // Every global load of the unit is issued before anything waits on one: the A fragments of
-    // all k steps and the rows' o_local (loaded one after another, each a round trip, they
-    // took most of the unit's time).
     uint32_t a_all[kD / 16][4], ol[2][kD / 8];
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
@@ -125,6 +122,11 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < kD / 8; ++nt)
         ol[half][nt] = (half ? r1 : r0) < len ? *reinterpret_cast<const uint32_t*>(orow[half] + 8 * nt) : 0u;
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's copies of S_start have landed
+    split_start_state<kD, Tin>(raw, hi, lo);
+    __syncthreads();
+
     float d[kD / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
@@ -146,9 +148,9 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
       if ((half ? r1 : r0) >= len) continue;
 #pragma unroll
       for (int nt = 0; nt < kD / 8; ++nt) {
-        const float2 x = unpack2<Tin>(ol[half][nt]);
+        const float2 x2 = unpack2<Tin>(ol[half][nt]);
         *reinterpret_cast<uint32_t*>(orow[half] + 8 * nt) =
-            cuda::pack2<Tin>(x.x + d[nt][2 * half], x.y + d[nt][2 * half + 1]);
+            cuda::pack2<Tin>(x2.x + d[nt][2 * half], x2.y + d[nt][2 * half + 1]);
       }
     }
   }
@@ -156,17 +158,22 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
 
 template <int kD, typename Tin>
 void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  // A bound on the units (the plan has the count: the exact segments' chunks, at most every
-  // chunk of every split sequence and head), at most two CTAs per SM: each walks the units
-  // blockIdx.x, + gridDim.x, ..
-  const int64_t units = c.max_slots * fp.Hv * (static_cast<int64_t>(c.min_chunks) << (c.candidates - 1));
-  const int64_t grid = std::min<int64_t>(units, 2 * static_cast<int64_t>(c.sms));
-  if (grid <= 0) return;
   constexpr size_t bytes = correct_smem_bytes<kD, Tin>();
-  // Every call, as the scan and the plan do: the opt-in holds for the current device only (a
-  // once-per-process call left a second GPU of the process without it).
-  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(bytes)));
+  // Resident CTAs per SM (a property of the kernel on sm_90), after the shared-memory opt-in.
+  static const int per_sm = [] {
+    FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes)));
+    int n = 0;
+    FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_correct_kernel<kD, Tin>, kCorrectThreads,
+                                                                  bytes));
+    return std::max(n, 1);
+  }();
+  // A bound on the units (the plan has the count: the exact segments' chunks, at most every
+  // chunk of every split sequence and head), at most what is resident at once: each CTA walks
+  // the units blockIdx.x, + gridDim.x, ..
+  const int64_t units = c.max_slots * fp.Hv * (static_cast<int64_t>(c.min_chunks) << (c.candidates - 1));
+  const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(per_sm) * c.sms);
+  if (grid <= 0) return;
   launch_dependent(cp_correct_kernel<kD, Tin>, dim3(static_cast<unsigned>(grid)), dim3(kCorrectThreads), bytes,
                    stream, "cp_correct_kernel", fp, t);
 }

@@ -508,7 +508,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     t.warm[e] = warm;
     if (staged) v.warm[e] = warm;
     // The correction's work list (cp_correct.cu); its order changes no result.
-    if (corrected && u.y > 0 && warm == kExactSegment) t.exact[atomicAdd(&exact_count, 1)] = static_cast<int32_t>(e);
+    if (corrected && u.y > 0 && warm == kExactSegment)
+      t.exact[atomicAdd(&exact_count, 1)] = make_int4(static_cast<int32_t>(e), u.x, u.y, 0);
   }
   // Pass 4: how many movable CTAs phase 2 takes (cp_deferred), and which: the last ones in item
   // order (items are longest first, so the shortest move), counted to the CTA, so that phase 1

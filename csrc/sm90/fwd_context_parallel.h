@@ -99,7 +99,7 @@ struct CpTables {
   float* chunk_gate;    // [boundary x window chunk x Hv]: the chunk's summed gate, +inf: refused
   int32_t* bound_warm;  // [boundary x Hv]: the warm-up chunks or kExactSegment (where the plan
                         // does not keep them in shared memory)
-  int32_t* exact;       // where corrected: the exact segments' entries slot Hv + h, in no
+  int4* exact;          // where corrected: the exact segments {slot Hv + h, n, seg, 0}, in no
                         // particular order (plan[kPlanExact] of them); else nullptr
 };
 

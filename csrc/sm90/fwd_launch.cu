@@ -71,7 +71,7 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
     w.cp_ends = take(c.state_bytes);
     w.cp_trans = take(c.state_bytes);
     w.cp_corr = take(c.corr_bytes);
-    w.cp_exact = take(c.corrected ? static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t) : 0);
+    w.cp_exact = take(c.corrected ? static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int4) : 0);
   }
   w.total = off;
   return w;
@@ -220,7 +220,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   t.bounds = reinterpret_cast<int4*>(ws + wl.cp_bounds);
   t.chunk_gate = reinterpret_cast<float*>(ws + wl.cp_chunk_gate);
   t.bound_warm = reinterpret_cast<int32_t*>(ws + wl.cp_bound_warm);
-  t.exact = c.corrected ? reinterpret_cast<int32_t*>(ws + wl.cp_exact) : nullptr;
+  t.exact = c.corrected ? reinterpret_cast<int4*>(ws + wl.cp_exact) : nullptr;
   fp.cp.max_slots = static_cast<int32_t>(c.max_slots);
   fp.cp.plan = t.plan;
   fp.cp.items = t.items;
