@@ -159,10 +159,11 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
 template <int kD, typename Tin>
 void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   constexpr size_t bytes = correct_smem_bytes<kD, Tin>();
-  // Resident CTAs per SM (a property of the kernel on sm_90), after the shared-memory opt-in.
+  // The opt-in on every call (it holds for the current device only); then the resident CTAs per
+  // SM, a property of the kernel on sm_90.
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(bytes)));
   static const int per_sm = [] {
-    FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(bytes)));
     int n = 0;
     FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_correct_kernel<kD, Tin>, kCorrectThreads,
                                                                   bytes));
