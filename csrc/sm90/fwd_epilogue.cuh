@@ -9,6 +9,7 @@
 #include "sm90/fwd_params.h"
 #include "sm90/fwd_scheduler.cuh"
 #include "sm90/fwd_smem.cuh"
+#include "sm90/ptx.cuh"
 
 namespace flashgdn::sm90 {
 
@@ -152,10 +153,13 @@ __device__ __forceinline__ void store_state(float (&S)[kBlocks][32], const State
 
 // Rows of the 64 x 64 output tile of state warpgroup sw, from its accumulator O^T [64 v][64 t]:
 // 8 x 8 blocks are transposed into the staging tile (the warpgroup's V tile of the chunk, no
-// longer needed) by stmatrix (rows = tokens), then each row's 128 bytes go out as 16-byte
-// stores; rows at or past `len` are not written. The caller releases the stage afterwards.
+// longer needed, in the 128-byte swizzle of the TMA maps) by stmatrix (rows = tokens). A whole
+// chunk of o then goes out as one TMA store issued by thread 0, which returns true: it must wait
+// for the store's reads of the stage (bulk_wait_group_read) before the caller releases it.
+// Otherwise (a partial chunk, where the rows past `len` may be the next sequence's, q~, or o that
+// TMA cannot address) each row's 128 bytes go out as 16-byte stores.
 template <class Tr>
-__device__ __forceinline__ void store_output(const FwdParams& p, typename Tr::Tin (*stage)[64],
+__device__ __forceinline__ bool store_output(const FwdParams& p, typename Tr::Tin (*stage)[64],
                                              const float (&o)[32], const WorkItem& w, int64_t t_chunk,
                                              int len, int sw, int tid) {
   using Tin = typename Tr::Tin;
@@ -174,11 +178,24 @@ __device__ __forceinline__ void store_output(const FwdParams& p, typename Tr::Ti
     const uint32_t t = 8 * (2 * jp + (m >> 1)) + (lane & 7);
     stmatrix_x4_trans(base + swizzle128(t, 2 * warp + (m & 1)), r);
   }
+  const bool to_corr = Tr::kPrecision == Precision::kFast && w.out_corr;  // `fast` alone corrects
+  if (p.o_tma && !to_corr && len == 64) {
+    fence_proxy_async();  // the stmatrix writes, before the TMA engine reads them
+    named_barrier_sync(bar, 128);
+    if (tid == 0) {
+      const TileMapOrder& ord = p.order_o;
+      const int32_t h = w.h, t = static_cast<int32_t>(t_chunk), b = w.b;
+      auto at = [&](int k) { return ord.h == k ? h : (ord.t == k ? t : b); };
+      tma_store_4d(&p.tma_o, &stage[0][0], 64 * sw, at(1), at(2), at(3));
+      bulk_commit_group();
+    }
+    return tid == 0;
+  }
   named_barrier_sync(bar, 128);
   // o, or an exact segment's q~ (WorkItem::out_corr), of the same shape.
-  Tin* dst = w.out_corr ? static_cast<Tin*>(p.cp.corr) + w.b * p.cp.cs0 + w.h * p.cp.cs2 + 64 * sw
-                        : static_cast<Tin*>(p.o) + w.b * p.os0 + w.h * p.os2 + 64 * sw;
-  const int64_t row_stride = w.out_corr ? p.cp.cs1 : p.os1;
+  Tin* dst = to_corr ? static_cast<Tin*>(p.cp.corr) + w.b * p.cp.cs0 + w.h * p.cp.cs2 + 64 * sw
+                     : static_cast<Tin*>(p.o) + w.b * p.os0 + w.h * p.os2 + 64 * sw;
+  const int64_t row_stride = to_corr ? p.cp.cs1 : p.os1;
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     const int idx = tid + 128 * u, t = idx >> 3, ch = idx & 7;
@@ -186,6 +203,7 @@ __device__ __forceinline__ void store_output(const FwdParams& p, typename Tr::Ti
       st_global_v4(dst + (t_chunk + t) * row_stride + 8 * ch, ld_shared_v4(base + swizzle128(t, ch)));
     }
   }
+  return false;
 }
 
 }  // namespace flashgdn::sm90

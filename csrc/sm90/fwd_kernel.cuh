@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
     for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_state<Tr>(p, sm, w, c0, wg - 2, tid); });
+    if (tid == 0) bulk_wait_group<0>();  // o's TMA stores (store_output) written before the CTA ends
   }
 #endif
 }

@@ -148,6 +148,12 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     fp.order_q = mq.order;
     fp.order_k = mk.order;
     fp.order_v = mv.order;
+    if (tile_map_direct(a.o)) {
+      const TileMap mo = make_tile_map(a.o);
+      fp.tma_o = mo.map;
+      fp.order_o = mo.order;
+      fp.o_tma = 1;
+    }
   }
   fp.g = a.in.g.data;
   fp.g_dtype = a.in.g.dtype;

@@ -45,6 +45,11 @@ struct FwdParams {
   // box 64 x 1 x 64 x 1, 128-byte swizzle; out-of-range rows read as zero.
   CUtensorMap tma_q, tma_k, tma_v;
   TileMapOrder order_q, order_k, order_v;
+  // o as a TMA map of the same box (the state warpgroups' 64 x 64 output tiles go out through
+  // it), where TMA can address o as it is (o_tma); else 16-byte stores.
+  CUtensorMap tma_o;
+  TileMapOrder order_o;
+  int32_t o_tma = 0;
 
   cuda::SeqLayout seq;  // N sequences: dense B x T, or varlen cu_seqlens
   int64_t Hv = 0, group = 1;  // value head h reads q/k head h / group

@@ -62,7 +62,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   WorkItem w = item;
   if constexpr (Tr::kSplitState) {
     for (int32_t* f : {&w.n, &w.h, &w.hq, &w.b, &w.t0, &w.len, &w.nchunks, &w.out_chunk0, &w.seq_chunk0,
-                       &w.init, &w.end, &w.slot, &w.out_corr})
+                       &w.init, &w.end, &w.slot})
       *f = __shfl_sync(0xffffffffu, *f, 0);
     c0 = __shfl_sync(0xffffffffu, c0, 0);
   }
@@ -238,7 +238,8 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
     // warm-up chunk (before out_chunk0) writes neither o nor checkpoints.
     sm.local_empty[ploc.stage].arrive();
     const bool owned = j >= w.out_chunk0;
-    if (p.o != nullptr && owned) store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid_j);
+    if (p.o != nullptr && owned && store_output<Tr>(p, in.v[sw], o1, w, w.t0 + 64 * j, len, sw, tid_j))
+      bulk_wait_group_read<0>();  // the TMA store has read the stage
     fence_proxy_async();
     sm.in_empty[pin.stage].arrive();
     if (p.ckpt.data != nullptr && owned && len == 64) {

@@ -93,6 +93,28 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, Mbarrier
       : "memory");
 }
 
+// A 4-D tile from shared memory into global memory, in the calling thread's bulk group; rows
+// outside the map's extents are not written. The writes to `src` must be made visible to the
+// async proxy first (fence_proxy_async by every writer, then a barrier).
+__device__ __forceinline__ void tma_store_4d(const void* map, const void* src, int32_t c0, int32_t c1, int32_t c2,
+                                             int32_t c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of the thread's bulk groups are still reading their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Waits until at most N of the thread's bulk groups are pending at all (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Asks L2 to fetch [src, src + bytes) from global memory (src 16-byte aligned, bytes a multiple
 // of 16). Nothing lands in shared memory and nothing waits for it: a hint.
 __device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
