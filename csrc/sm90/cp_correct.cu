@@ -88,12 +88,20 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
   const int64_t units = static_cast<int64_t>(t.plan[kPlanExact]) * L;  // (exact segment, chunk)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int r0 = 16 * warp + g, r1 = r0 + 8;  // the thread's rows of the chunk
-  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+  // A contiguous run of units a CTA (blockIdx.x's share of them), so that consecutive units are
+  // mostly chunks of one segment: S_start is copied and split once a segment, not once a chunk.
+  const int64_t first = units * blockIdx.x / gridDim.x, last = units * (blockIdx.x + 1) / gridDim.x;
+  int64_t staged = -1;  // the exact segment whose S_start hi and lo hold
+  for (int64_t unit = first; unit < last; ++unit) {
     const int32_t j = static_cast<int32_t>(unit % L);
-    const int4 x = t.exact[unit / L];  // {slot Hv + h, n, seg, 0}
+    const int64_t e = unit / L;
+    const int4 x = t.exact[e];  // {slot Hv + h, n, seg, 0}
     const int32_t h = x.x % hv, slot = x.x / hv;
-    __syncthreads();  // the previous unit's reads of raw, hi and lo are done
-    copy_start_state<kD>(p.cp.ends + (static_cast<int64_t>(slot - 1) * hv + h) * kD * kD, raw);
+    const bool restage = e != staged;
+    if (restage) {
+      __syncthreads();  // the previous unit's reads of hi and lo are done
+      copy_start_state<kD>(p.cp.ends + (static_cast<int64_t>(slot - 1) * hv + h) * kD * kD, raw);
+    }
     const cuda::SeqInfo si = cuda::seq_info(p.seq, x.y);
     const int64_t begin = (static_cast<int64_t>(x.z) * L + j) * 64;
     const int64_t seg_end = (static_cast<int64_t>(x.z) + 1) * L * 64;
@@ -122,10 +130,13 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < kD / 8; ++nt)
         ol[half][nt] = (half ? r1 : r0) < len ? *reinterpret_cast<const uint32_t*>(orow[half] + 8 * nt) : 0u;
-    cp_async_wait<0>();
-    __syncthreads();  // every thread's copies of S_start have landed
-    split_start_state<kD, Tin>(raw, hi, lo);
-    __syncthreads();
+    if (restage) {
+      cp_async_wait<0>();
+      __syncthreads();  // every thread's copies of S_start have landed
+      split_start_state<kD, Tin>(raw, hi, lo);
+      __syncthreads();
+      staged = e;
+    }
 
     float d[kD / 8][4] = {};
 #pragma unroll
@@ -170,8 +181,8 @@ void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
     return std::max(n, 1);
   }();
   // A bound on the units (the plan has the count: the exact segments' chunks, at most every
-  // chunk of every split sequence and head), at most what is resident at once: each CTA walks
-  // the units blockIdx.x, + gridDim.x, ..
+  // chunk of every split sequence and head), at most what is resident at once: each CTA takes
+  // a contiguous share of the plan's count.
   const int64_t units = c.max_slots * fp.Hv * (static_cast<int64_t>(c.min_chunks) << (c.candidates - 1));
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(per_sm) * c.sms);
   if (grid <= 0) return;
