@@ -4,9 +4,9 @@
 //   o_t = scale S_t^T q_t = o_local_t + S_start^T q~_t,   q~_t = scale M_t^T q_t,
 // where phase 1's N walk (from zero) wrote o_local into o and its M walk (from the identity, V
 // read as zero) wrote q~ into cp.corr, and the scan wrote S_start = S_end(s - 1) into
-// cp.ends[slot - 1]. Every chunk of every exact segment is independent: a CTA per (slot, value
-// head, chunk), its 64 x V tile one 64 x K by K x V product on the tensor cores, added to
-// o_local in fp32 and rounded once.
+// cp.ends[slot - 1]. Every chunk of every exact segment is independent: a unit per (exact
+// segment, value head, chunk), its 64 x V tile one 64 x K by K x V product on the tensor cores,
+// added to o_local in fp32 and rounded once; the resident CTAs take contiguous runs of units.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -170,16 +170,7 @@ __global__ void __launch_bounds__(kCorrectThreads) cp_correct_kernel(const __gri
 template <int kD, typename Tin>
 void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   constexpr size_t bytes = correct_smem_bytes<kD, Tin>();
-  // The opt-in on every call (it holds for the current device only); then the resident CTAs per
-  // SM, a property of the kernel on sm_90.
-  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_correct_kernel<kD, Tin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(bytes)));
-  static const int per_sm = [] {
-    int n = 0;
-    FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_correct_kernel<kD, Tin>, kCorrectThreads,
-                                                                  bytes));
-    return std::max(n, 1);
-  }();
+  const int per_sm = resident_ctas_per_sm<cp_correct_kernel<kD, Tin>>(kCorrectThreads, bytes);
   // A bound on the units (the plan has the count: the exact segments' chunks, at most every
   // chunk of every split sequence and head), at most what is resident at once: each CTA takes
   // a contiguous share of the plan's count.

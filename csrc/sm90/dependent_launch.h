@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "cuda/device_utils.cuh"
@@ -30,6 +31,21 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   cfg.numAttrs = 1;
   FGDN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
   FGDN_CHECK_LAUNCH(what);
+}
+
+// The CTAs of kKernel resident at once on an SM with `bytes` of dynamic shared memory (at least
+// one), after the opt-in to that many bytes, made on every call (it holds for the current device
+// only). The count is a property of the kernel on sm_90, the only architecture it runs on: it is
+// queried once per kernel, whose threads and bytes are the same on every call.
+template <auto kKernel>
+int resident_ctas_per_sm(int threads, size_t bytes) {
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  static const int per_sm = [threads, bytes] {
+    int n = 0;
+    FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, bytes));
+    return std::max(n, 1);
+  }();
+  return per_sm;
 }
 
 }  // namespace flashgdn::sm90

@@ -895,16 +895,8 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
 template <int kD>
 void launch_scan(int64_t units, int sms, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   constexpr size_t bytes = sizeof(ScanStorage<kD>);
-  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_scan_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(bytes)));
-  // Resident CTAs per SM: a property of the kernel and sm_90, the only architecture it runs on.
-  static const int per_sm = [] {
-    int n = 0;
-    FGDN_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cp_scan_kernel<kD>, ScanTraits<kD>::kThreads, bytes));
-    return n;
-  }();
-  const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
+  const int per_sm = resident_ctas_per_sm<cp_scan_kernel<kD>>(ScanTraits<kD>::kThreads, bytes);
+  const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(per_sm) * sms);
   launch_dependent(cp_scan_kernel<kD>, dim3(static_cast<unsigned>(grid)), dim3(ScanTraits<kD>::kThreads), bytes,
                    stream, "cp_scan_kernel", fp, t);
 }

@@ -184,9 +184,9 @@ __device__ __forceinline__ bool store_output(const FwdParams& p, typename Tr::Ti
     named_barrier_sync(bar, 128);
     if (tid == 0) {
       const TileMapOrder& ord = p.order_o;
-      const int32_t h = w.h, t = static_cast<int32_t>(t_chunk), b = w.b;
-      auto at = [&](int k) { return ord.h == k ? h : (ord.t == k ? t : b); };
-      tma_store_4d(&p.tma_o, &stage[0][0], 64 * sw, at(1), at(2), at(3));
+      const int32_t t = static_cast<int32_t>(t_chunk);
+      tma_store_4d(&p.tma_o, &stage[0][0], 64 * sw, ord.at(1, w.h, t, w.b), ord.at(2, w.h, t, w.b),
+                   ord.at(3, w.h, t, w.b));
       bulk_commit_group();
     }
     return tid == 0;

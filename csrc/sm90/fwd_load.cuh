@@ -21,8 +21,7 @@ namespace flashgdn::sm90 {
 // `o`'s order.
 __device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map, const TileMapOrder& o,
                                               Mbarrier* bar, int blk, int32_t h, int32_t t, int32_t b) {
-  auto at = [&](int k) { return o.h == k ? h : (o.t == k ? t : b); };
-  tma_load_4d(dst, map, bar, blk * 64, at(1), at(2), at(3));
+  tma_load_4d(dst, map, bar, blk * 64, o.at(1, h, t, b), o.at(2, h, t, b), o.at(3, h, t, b));
 }
 
 template <class Tr>

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/host_device.h"
 #include "flashgdn/flashgdn.h"
 
 namespace flashgdn::sm90 {
@@ -16,6 +17,10 @@ namespace flashgdn::sm90 {
 // for), which lets head-first storage ([B, H, T, D] memory viewed as [B, T, H, D]) load too.
 struct TileMapOrder {
   int8_t h = 1, t = 2, b = 3;
+  // The coordinate of map dimension k (1..3) for head h, token t, batch row b.
+  FGDN_HOST_DEVICE int32_t at(int k, int32_t h_, int32_t t_, int32_t b_) const {
+    return h == k ? h_ : (t == k ? t_ : b_);
+  }
 };
 
 struct TileMap {
