@@ -42,7 +42,27 @@ constexpr double kCpCorrectSteps = 1.0;
 constexpr double kCpMinGain = 0.9;
 // cp.plan[kPlanChunks] when nothing splits.
 constexpr int32_t kCpNoSplit = INT32_MAX / 128;
-constexpr int kCpMaxCandidates = 6;
+constexpr int kCpMaxCandidates = 8;
+
+// The candidate segment lengths, L = L_min q / 4 with q = 4, 5, 6, 8, 10, 12, 16, 32 (L_min x 1,
+// 1.25, 1.5, 2, 2.5, 3, 4, 8). A split runs in whole waves of segment-long CTAs, and with
+// powers of two alone the few-head long rows had a wave of phase 2 barely used (2/8 1x32768 at
+// L = 16: 1.4 waves of 19 chunk-steps, so 2; at L = 20, 0.94 of a wave of 23: bench/NOTES.md,
+// "Candidate segment lengths"). With several candidates L_min is a power of two >= 4
+// (cp_min_chunks), so every L is a whole number of chunks and a multiple of the boundary grain
+// L_min / 4.
+FGDN_HOST_DEVICE constexpr int32_t cp_candidate_quarters(int i) {
+  return i <= 2 ? 4 + i : i <= 5 ? 8 + 2 * (i - 3) : i == 6 ? 16 : 32;
+}
+FGDN_HOST_DEVICE constexpr int64_t cp_candidate_chunks(int i, int32_t min_chunks) {
+  return static_cast<int64_t>(min_chunks) * cp_candidate_quarters(i) / 4;
+}
+// The boundaries' spacing in chunks (every candidate's segments start on a subset of them, so
+// one certificate per boundary serves all): L_min / 4 where the plan chooses among candidates,
+// L_min where the segment length is fixed (one candidate, any length).
+FGDN_HOST_DEVICE constexpr int32_t cp_grain(int32_t min_chunks, int candidates) {
+  return candidates > 1 ? min_chunks / 4 : min_chunks;
+}
 
 // The plan's statistics of one candidate L, summed over its segments and heads. `movable`:
 // CTAs whose results neither the scan nor a later pass reads (unsplit sequences; middle
@@ -89,11 +109,11 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
   return p1 + p2 + scan + kCpFixedSteps;
 }
 
-// The cost of candidate i (L = min_chunks 2^i), or -1 where nothing splits (the plan kernel
-// prices its candidates in parallel, a thread each).
+// The cost of candidate i (L = cp_candidate_chunks(i)), or -1 where nothing splits (the plan
+// kernel prices its candidates in parallel, a thread each).
 FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int i, int32_t min_chunks,
                                                   double sum_c, double max_c, double hv, int sms, bool corrected) {
-  const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
+  const double L = static_cast<double>(cp_candidate_chunks(i, min_chunks));
   return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms, corrected);
 }
 
@@ -102,7 +122,7 @@ FGDN_HOST_DEVICE inline double cp_split_bar(double sum_c, double max_c, double n
   return kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
 }
 
-// The plan's choice from the candidates' costs: the cheapest L = min_chunks 2^i that splits
+// The plan's choice from the candidates' costs: the cheapest candidate L that splits
 // something and costs under the bar (the first of equal costs); else kCpNoSplit.
 FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, int candidates, int32_t min_chunks, double bar) {
   double best = bar;
@@ -110,7 +130,7 @@ FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, int candidates,
   for (int i = 0; i < candidates; ++i) {
     if (cost[i] >= 0.0 && cost[i] < best) {
       best = cost[i];
-      chosen = min_chunks << i;
+      chosen = static_cast<int32_t>(cp_candidate_chunks(i, min_chunks));
     }
   }
   return chosen;
@@ -142,7 +162,7 @@ struct CpSeqGroup {
 };
 
 // Whether to launch the pipeline at all, decided on the host from the lengths alone (the gates
-// are on the device): each candidate L = min_chunks 2^i is priced in the case of one head per
+// are on the device): each candidate L (cp_candidate_chunks) is priced in the case of one head per
 // split sequence taking the exact path at every boundary (its transfer matrices, scan steps and
 // second pass) and every other head certified within one chunk, and must beat no split by
 // kCpMinGain after the pipeline's own cost. Where even that case loses, the plan would split and
@@ -164,7 +184,7 @@ inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double 
   const auto heads = static_cast<unsigned long long>(hv);
   const unsigned long long exact_heads = heads > 0 ? 1 : 0, warm_heads = heads - exact_heads;
   for (int c = 0; c < candidates; ++c) {
-    const int64_t L = static_cast<int64_t>(min_chunks) << c;
+    const int64_t L = cp_candidate_chunks(c, min_chunks);
     CpCandidateStats st = {};
     for (int64_t i = 0; i < n_groups; ++i) {
       const int64_t chunks = groups[i].chunks;

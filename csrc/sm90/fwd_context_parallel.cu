@@ -32,16 +32,18 @@ __device__ inline int64_t seq_chunks(const cuda::SeqLayout& s, int64_t n) {
   return ceil_div(cuda::seq_info(s, n).len, 64);
 }
 
-// Boundaries of sequence n (segment starts at multiples of L_min chunks) for a sequence of c chunks.
-__device__ inline int seq_bounds(int64_t c, int64_t min_chunks) {
-  return c > min_chunks ? static_cast<int>(ceil_div(c, min_chunks) - 1) : 0;
+// Boundaries of a sequence of c chunks: the possible segment starts k grain, k = first, first +
+// 1, .. while inside the sequence (first grain = L_min: the shortest segment).
+__device__ inline int seq_bounds(int64_t c, int32_t grain, int32_t first) {
+  return c > static_cast<int64_t>(first) * grain ? static_cast<int>(ceil_div(c, static_cast<int64_t>(grain)) - first) : 0;
 }
 
 // ---- boundaries ----------------------------------------------------------------------------
 // One CTA. Every sequence of more than L_min chunks gets a boundary per possible segment start
-// k L_min (k >= 1), in sequence order (an exclusive scan); every candidate L = L_min 2^i starts
-// its segments on a subset of them, so one certificate per boundary serves every candidate.
-__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t min_chunks,
+// k grain (k >= first = L_min / grain), in sequence order (an exclusive scan); every candidate
+// L (a multiple of the grain, cp_cost_model.h) starts its segments on a subset of them, so one
+// certificate per boundary serves every candidate.
+__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t grain, int32_t first,
                                                                   int64_t max_bounds, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -52,12 +54,12 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
   for (int64_t n0 = 0; n0 < seq.N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < seq.N ? seq_chunks(seq, n) : 0;
-    const int nb = seq_bounds(c, min_chunks);
+    const int nb = seq_bounds(c, grain, first);
     int b0, total;
     Scan(tmp).ExclusiveSum(nb, b0, total);
     b0 += base;
-    for (int k = 1; k <= nb && b0 + k - 1 < max_bounds; ++k)
-      t.bounds[b0 + k - 1] = make_int4(static_cast<int>(n), k, static_cast<int>(c), 0);
+    for (int j = 0; j < nb && b0 + j < max_bounds; ++j)
+      t.bounds[b0 + j] = make_int4(static_cast<int>(n), first + j, static_cast<int>(c), 0);
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
@@ -114,7 +116,7 @@ __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, in
 }
 
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
-                                                                      CpTables t, int32_t min_chunks,
+                                                                      CpTables t, int32_t grain,
                                                                       int32_t window) {
   __shared__ float warp_gate[kCertifyWarps][32];  // +inf: a beta outside [0, 2]
   grid_dependency_wait();  // the boundaries
@@ -132,9 +134,9 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
   const int4 r = t.bounds[b];
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
-  // The chunk's first token: the segment starts at token k L_min 64 of the sequence, and k >= 1,
-  // w < window <= L_min keep the window inside it.
-  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * min_chunks - (w + 1)) * 64 + warp * kCertifyWarpTokens;
+  // The chunk's first token: the segment starts at token k grain 64 of the sequence, and
+  // k grain >= L_min >= window > w keeps the window inside it.
+  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * grain - (w + 1)) * 64 + warp * kCertifyWarpTokens;
   float g = 0.f;
   bool ok = p.l2norm != 0;
   if (ok && hl < heads) {
@@ -309,15 +311,16 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 }
 
 // One CTA. Pass 0: every (boundary, head)'s warm-up from the certificate's chunk sums
-// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs,
-// from the sequence lengths and the warm-ups of the boundaries it starts segments on (k a
-// multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
+// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min q / 4 the cost model's
+// inputs, from the sequence lengths and the warm-ups of the boundaries it starts segments on
+// (k a multiple of q: boundaries are every grain = L_min / 4 chunks); then the cheapest L
+// (cp_cost_model.h). Pass 2: the items (one per unsplit
 // sequence or segment), longest first, and the slots (segments of split sequences), in sequence
 // order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
 // where the exact segments are corrected, their list (t.exact). Pass 4: what phase 2 takes.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t corrected, int32_t min_chunks,
-                                                                int32_t candidates,
+                                                                int32_t candidates, int32_t grain,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
@@ -334,6 +337,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   grid_dependency_wait();  // the certificates
   launch_dependents();
   const int64_t N = seq.N;
+  const int32_t first = min_chunks / grain;  // the first boundary's k (grain 4 or L_min 1)
 
   // Pass 0 (the boundaries' loads fly with the chunk sums').
   const int32_t n_bounds = t.plan[kPlanBounds];
@@ -352,12 +356,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const unsigned long long c = static_cast<unsigned long long>(seq_chunks(seq, n));
       own.sum_c += c;
       own.max_c = c > own.max_c ? c : own.max_c;
+      // 32-bit divisions (a 64-bit one is ~70 instructions): the plan runs only where the
+      // sequence lengths fit (fgdn_forward's validation bounds T), and a chunk count is T / 64.
+      const uint32_t c32 = static_cast<uint32_t>(c);
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {  // L = 2^lg: L_min is a power of two (cp_min_chunks)
-        const int lg = __ffs(min_chunks) - 1 + i;
-        const unsigned long long L = 1ull << lg;
-        own.cand[i].items += c > L ? (c + L - 1) >> lg : 1;
-        own.cand[i].movable += c > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
+      for (int i = 0; i < kCpMaxCandidates; ++i) {
+        const uint32_t L = static_cast<uint32_t>(cp_candidate_chunks(i, min_chunks));
+        own.cand[i].items += c32 > L ? (c32 + L - 1) / L : 1u;
+        own.cand[i].movable += c32 > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
     }
     // Per (boundary, head): the segments' certificates.
@@ -367,10 +373,11 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const int32_t warm = v.bound_warm[e];
 #pragma unroll
       for (int i = 0; i < kCpMaxCandidates; ++i) {
-        if ((r.y & ((1 << i) - 1)) != 0) continue;  // not a segment start of L_min 2^i
+        const int32_t q = cp_candidate_quarters(i);  // candidate i's segments start at k = q, 2 q, ..
+        if (r.y % q != 0) continue;
         CpCandidateStats& cs = own.cand[i];
-        const long long L = static_cast<long long>(min_chunks) << i;
-        const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * min_chunks;
+        const long long L = cp_candidate_chunks(i, min_chunks);
+        const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * grain;
         if (warm == kExactSegment) {
           cs.exact += 1;
           cs.exact_chunks += static_cast<unsigned long long>(rest < L ? rest : L);
@@ -378,7 +385,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
           cs.warm_chunks += static_cast<unsigned long long>(warm);
           cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
           // A middle segment not followed by an exact one is movable (cp_movable).
-          if (rest > L && v.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
+          if (rest > L && v.bound_warm[e + static_cast<int64_t>(q) * hv] != kExactSegment) cs.movable += 1;
         }
       }
     }
@@ -446,7 +453,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     Scan(tmp.scan[0]).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
     Scan(tmp.scan[1]).ExclusiveSum(split ? nseg : 0, slot0, slots);
     Scan(tmp.scan[2]).ExclusiveSum(split ? 1 : 0, split0, splits);
-    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
+    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, grain, first), bound0, bounds);  // as cp_bounds_kernel
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
@@ -497,14 +504,15 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     __syncthreads();
   }
   const int32_t n_slots = static_cast<int32_t>(min(static_cast<int64_t>(base[1]), max_slots));
-  // Pass 3: segment s of a split sequence starts at its boundary k = s L / L_min (the slots'
-  // writes above are visible to the block after the barrier).
-  const int32_t stride = static_cast<int32_t>(L / min_chunks);
+  // Pass 3: segment s of a split sequence starts at its boundary k = s L / grain, entry k - first
+  // of the sequence's boundaries (the slots' writes above are visible to the block after the
+  // barrier).
+  const int32_t stride = static_cast<int32_t>(L / grain);
   for (EntryWalk w(hv); w.row < n_slots; w.next()) {
     const int64_t e = w.entry();
     const int4 u = v.slots[w.row];
     const int32_t h = w.h;
-    const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
+    const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - first) * hv + h];
     t.warm[e] = warm;
     if (staged) v.warm[e] = warm;
     // The correction's work list (cp_correct.cu); its order changes no result.
@@ -826,13 +834,15 @@ CpLayout cp_layout(const Problem& p, int sms) {
     c.min_chunks = cp_min_chunks(balanced);
     c.candidates = kCpMaxCandidates;
   }
+  c.grain = cp_grain(c.min_chunks, c.candidates);
+  const int64_t first = c.min_chunks / c.grain;
   const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
   const int64_t L = c.min_chunks;
   // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
-  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
-  // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
+  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Every
+  // candidate is at least L_min = L long, so these bounds hold for the plan's choice.
   const int64_t max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   const size_t state_bytes = static_cast<size_t>(max_slots) * p.Hv * p.K * p.K * sizeof(float);
   const bool corrected = max_slots > 0 && cp_corrects(c.min_chunks, p.K, p.varlen,
@@ -858,7 +868,8 @@ CpLayout cp_layout(const Problem& p, int sms) {
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
-  c.max_bounds = p.varlen ? sum_c / L : (C > L ? p.B * (ceil_div(C, L) - 1) : 0);
+  // Boundaries: ceil(c_n / grain) - first <= floor(c_n / grain) per sequence longer than L.
+  c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - first) : 0);
   c.state_bytes = state_bytes;
   c.corrected = corrected;
   c.corr_bytes = corrected ? static_cast<size_t>(p.B * p.T) * p.Hv * p.K * 2 : 0;  // q~ in q's 16-bit dtype
@@ -866,7 +877,7 @@ CpLayout cp_layout(const Problem& p, int sms) {
 }
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.min_chunks, c.max_bounds, t);
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.min_chunks / c.grain, c.max_bounds, t);
   FGDN_CHECK_LAUNCH("cp_bounds_kernel");
 }
 
@@ -874,7 +885,7 @@ void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t
   if (c.max_bounds == 0) return;
   const dim3 grid(static_cast<unsigned>(c.max_bounds * c.window), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
   launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
-                   c.min_chunks, c.window);
+                   c.grain, c.window);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
@@ -888,7 +899,7 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
                                        static_cast<int>(kPlanStageBytes)));
   launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream,
                    "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
-                   c.min_chunks, c.candidates,
+                   c.min_chunks, c.candidates, c.grain,
                    c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
 }
 
