@@ -314,9 +314,8 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 // (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min q / 4 the cost model's
 // inputs, from the sequence lengths and the warm-ups of the boundaries it starts segments on
 // (k a multiple of q: boundaries are every grain = L_min / 4 chunks); then the cheapest L
-// (cp_cost_model.h). Pass 2: the items (one per unsplit
-// sequence or segment), longest first, and the slots (segments of split sequences), in sequence
-// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
+// (cp_cost_model.h). Pass 2: the items (one per unsplit sequence or segment), longest first,
+// and the slots (segments of split sequences), in sequence order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
 // where the exact segments are corrected, their list (t.exact). Pass 4: what phase 2 takes.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t corrected, int32_t min_chunks,
@@ -356,8 +355,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const unsigned long long c = static_cast<unsigned long long>(seq_chunks(seq, n));
       own.sum_c += c;
       own.max_c = c > own.max_c ? c : own.max_c;
-      // 32-bit divisions (a 64-bit one is ~70 instructions): the plan runs only where the
-      // sequence lengths fit (fgdn_forward's validation bounds T), and a chunk count is T / 64.
+      // 32-bit divisions (a 64-bit one is ~70 instructions): a sequence's chunk count fits 32
+      // bits (the boundaries' table holds it as an int).
       const uint32_t c32 = static_cast<uint32_t>(c);
 #pragma unroll
       for (int i = 0; i < kCpMaxCandidates; ++i) {
