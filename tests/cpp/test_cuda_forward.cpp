@@ -237,8 +237,14 @@ std::vector<ft::Spec> cp_cases() {
     s.checkpoint_every = 64;
     add(s, 128);
   }
-  // The plan kernel's cost model picks the segment length (few chains: it splits).
+  // The plan kernel's cost model picks the segment length (few chains: it splits; the model
+  // takes L = 5 chunks here, between the powers of two: boundaries every chunk from the fourth).
   ft::Spec s = with_h0(dense_d("cp_auto_bf16_T4096_Hv2_D128", 1, 4096, 1, 2, 128));
+  s.l2norm = true;
+  add(s, 0);
+  // The same in a varlen pack: each sequence's boundaries start at its own fourth chunk, a
+  // one-token and a short sequence unsplit beside a long one.
+  s = with_h0(varlen_d("cp_auto_varlen_bf16_Hv2_D128", {0, 1, 3001, 3101, 3801}, 1, 2, 128));
   s.l2norm = true;
   add(s, 0);
   // The correction of exact segments (cp_correct.cu) at fp16 and at D = 64, and with the gate in
