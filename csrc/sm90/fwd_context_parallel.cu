@@ -32,18 +32,19 @@ __device__ inline int64_t seq_chunks(const cuda::SeqLayout& s, int64_t n) {
   return ceil_div(cuda::seq_info(s, n).len, 64);
 }
 
-// Boundaries of a sequence of c chunks: the possible segment starts k grain, k = first, first +
-// 1, .. while inside the sequence (first grain = L_min: the shortest segment).
-__device__ inline int seq_bounds(int64_t c, int32_t grain, int32_t first) {
-  return c > static_cast<int64_t>(first) * grain ? static_cast<int>(ceil_div(c, static_cast<int64_t>(grain)) - first) : 0;
+// Boundaries of a sequence of c chunks that splits (c > L_min): k grain for k = 1, 2, .. while
+// inside the sequence. Segments start only at k grain >= L_min; the boundaries before carry
+// the chunk sums of the windows that reach back past them (cp_certify_kernel).
+__device__ inline int seq_bounds(int64_t c, int32_t grain, int32_t min_chunks) {
+  return c > min_chunks ? static_cast<int>(ceil_div(c, static_cast<int64_t>(grain)) - 1) : 0;
 }
 
 // ---- boundaries ----------------------------------------------------------------------------
-// One CTA. Every sequence of more than L_min chunks gets a boundary per possible segment start
-// k grain (k >= first = L_min / grain), in sequence order (an exclusive scan); every candidate
-// L (a multiple of the grain, cp_cost_model.h) starts its segments on a subset of them, so one
-// certificate per boundary serves every candidate.
-__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t grain, int32_t first,
+// One CTA. Every sequence of more than L_min chunks gets a boundary every grain chunks (k >= 1),
+// in sequence order (an exclusive scan); every candidate L (a multiple of the grain,
+// cp_cost_model.h) starts its segments on a subset of them, so one certificate per boundary
+// serves every candidate.
+__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t grain, int32_t min_chunks,
                                                                   int64_t max_bounds, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -54,12 +55,12 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
   for (int64_t n0 = 0; n0 < seq.N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < seq.N ? seq_chunks(seq, n) : 0;
-    const int nb = seq_bounds(c, grain, first);
+    const int nb = seq_bounds(c, grain, min_chunks);
     int b0, total;
     Scan(tmp).ExclusiveSum(nb, b0, total);
     b0 += base;
     for (int j = 0; j < nb && b0 + j < max_bounds; ++j)
-      t.bounds[b0 + j] = make_int4(static_cast<int>(n), first + j, static_cast<int>(c), 0);
+      t.bounds[b0 + j] = make_int4(static_cast<int>(n), j + 1, static_cast<int>(c), 0);
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
@@ -68,11 +69,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 }
 
 // ---- certificate -----------------------------------------------------------------------------
-// A CTA per (boundary, chunk w + 1 back from it, up to 32 value heads): the chunk's summed
-// (floored) gate of each head, or +inf where a beta lies outside [0, 2] or the keys are not
-// L2-normalised in the kernel, into t.chunk_gate. The plan walks them (cp_warm_up). One chunk a
-// CTA spreads a boundary's window over up to 16 SMs: one CTA reading the whole window (128-256 KB
-// of g and beta at 16/64) took ~10 us at ~13-30 GB/s (bench/NOTES.md, step 21).
+// A CTA per (boundary, one of the m = min(grain, window) chunks just before it, up to 32 value
+// heads): the chunk's summed (floored) gate of each head, or +inf where a beta lies outside
+// [0, 2] or the keys are not L2-normalised in the kernel, into t.chunk_gate. Each chunk a window
+// can reach is summed once: a window longer than the grain reads the sums of the boundaries
+// before its own (cp_warm_up), so windows of up to 16 chunks every grain chunks do not read the
+// same tokens several times. The plan walks them. One chunk a CTA spreads a window over up to
+// 16 SMs: one CTA reading a whole window (128-256 KB of g and beta at 16/64) took ~10 us at
+// ~13-30 GB/s (bench/NOTES.md, step 21).
 // g and beta rows are [token][head]: a warp covers hw = min(32, pow2 >= Hv) heads and 32 / hw
 // tokens at once (one coalesced row per load), 8 of the chunk's tokens a warp.
 constexpr int kCertifyThreads = 256, kCertifyWarps = kCertifyThreads / 32, kCertifyWarpTokens = 64 / kCertifyWarps;
@@ -117,12 +121,12 @@ __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, in
 
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
                                                                       CpTables t, int32_t grain,
-                                                                      int32_t window) {
+                                                                      int32_t per_bound) {
   __shared__ float warp_gate[kCertifyWarps][32];  // +inf: a beta outside [0, 2]
   grid_dependency_wait();  // the boundaries
   launch_dependents();
-  const int64_t b = blockIdx.x / window;
-  const int w = static_cast<int>(blockIdx.x % window);
+  const int64_t b = blockIdx.x / per_bound;
+  const int j = static_cast<int>(blockIdx.x % per_bound);  // chunk k grain - per_bound + j
   if (b >= t.plan[kPlanBounds]) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -134,9 +138,8 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
   const int4 r = t.bounds[b];
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
-  // The chunk's first token: the segment starts at token k grain 64 of the sequence, and
-  // k grain >= L_min >= window > w keeps the window inside it.
-  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * grain - (w + 1)) * 64 + warp * kCertifyWarpTokens;
+  // The chunk's first token (k >= 1 and per_bound <= grain keep it inside the sequence).
+  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * grain - per_bound + j) * 64 + warp * kCertifyWarpTokens;
   float g = 0.f;
   bool ok = p.l2norm != 0;
   if (ok && hl < heads) {
@@ -162,17 +165,24 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   if (warp != 0 || lane >= heads) return;
   float sum = 0.f;
   for (int v = 0; v < kCertifyWarps; ++v) sum += warp_gate[v][lane];  // in order: the same bits every run
-  t.chunk_gate[(b * window + w) * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = sum;
+  t.chunk_gate[(b * per_bound + j) * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = sum;
 }
 
 // The warm-up of boundary b for head h from its window's chunk sums: W = the fewest chunks back
 // whose summed gate reaches kCertifyLogDecay with no refused beta (+inf) among them; else the
-// exact path. The window's sums are loaded together, before the walk.
-__device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t window, int32_t hv, int32_t h) {
+// exact path. The chunk w + 1 back is at (b + 1) per_bound - 1 - w in the table: in b's own
+// sums while w < per_bound, else in the boundaries' before it (per_bound = grain then), which
+// belong to the same sequence where a segment can start (k grain >= L_min >= window). For the
+// boundaries where none can (k grain < L_min), the walk may read another sequence's sums or
+// none (+inf), and its result is never used. The sums are loaded together, before the walk.
+__device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t window, int32_t per_bound,
+                                     int32_t hv, int32_t h) {
   float g[kCertifyMaxChunks];
 #pragma unroll
-  for (int w = 0; w < kCertifyMaxChunks; ++w)
-    g[w] = w < window ? chunk_gate[(b * window + w) * hv + h] : INFINITY;
+  for (int w = 0; w < kCertifyMaxChunks; ++w) {
+    const int64_t at = (b + 1) * per_bound - 1 - w;
+    g[w] = w < window && at >= 0 ? chunk_gate[at * hv + h] : INFINITY;
+  }
   float decay = 0.f;
 #pragma unroll
   for (int w = 0; w < kCertifyMaxChunks; ++w) {
@@ -336,14 +346,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   grid_dependency_wait();  // the certificates
   launch_dependents();
   const int64_t N = seq.N;
-  const int32_t first = min_chunks / grain;  // the first boundary's k (grain 4 or L_min 1)
+  const int32_t per_bound = min(grain, window);  // chunk sums a boundary holds (cp_certify_kernel)
 
   // Pass 0 (the boundaries' loads fly with the chunk sums').
   const int32_t n_bounds = t.plan[kPlanBounds];
   if (staged)
     for (int32_t i = threadIdx.x; i < n_bounds; i += kPlanThreads) v.bounds[i] = t.bounds[i];
   for (EntryWalk w(hv); w.row < n_bounds; w.next())
-    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, hv, w.h);
+    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, per_bound, hv, w.h);
   __syncthreads();
 
   if (candidates == 1) {
@@ -452,7 +462,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     Scan(tmp.scan[0]).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
     Scan(tmp.scan[1]).ExclusiveSum(split ? nseg : 0, slot0, slots);
     Scan(tmp.scan[2]).ExclusiveSum(split ? 1 : 0, split0, splits);
-    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, grain, first), bound0, bounds);  // as cp_bounds_kernel
+    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, grain, min_chunks), bound0, bounds);  // as cp_bounds_kernel
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
@@ -503,15 +513,15 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     __syncthreads();
   }
   const int32_t n_slots = static_cast<int32_t>(min(static_cast<int64_t>(base[1]), max_slots));
-  // Pass 3: segment s of a split sequence starts at its boundary k = s L / grain, entry k - first
-  // of the sequence's boundaries (the slots' writes above are visible to the block after the
+  // Pass 3: segment s of a split sequence starts at its boundary k = s L / grain, entry k - 1 of
+  // the sequence's boundaries (the slots' writes above are visible to the block after the
   // barrier).
   const int32_t stride = static_cast<int32_t>(L / grain);
   for (EntryWalk w(hv); w.row < n_slots; w.next()) {
     const int64_t e = w.entry();
     const int4 u = v.slots[w.row];
     const int32_t h = w.h;
-    const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - first) * hv + h];
+    const int32_t warm = u.y == 0 ? 0 : v.bound_warm[(static_cast<int64_t>(u.w) + u.y * stride - 1) * hv + h];
     t.warm[e] = warm;
     if (staged) v.warm[e] = warm;
     // The correction's work list (cp_correct.cu); its order changes no result.
@@ -834,7 +844,6 @@ CpLayout cp_layout(const Problem& p, int sms) {
     c.candidates = kCpMaxCandidates;
   }
   c.grain = cp_grain(c.min_chunks, c.candidates);
-  const int64_t first = c.min_chunks / c.grain;
   const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
@@ -867,8 +876,9 @@ CpLayout cp_layout(const Problem& p, int sms) {
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
-  // Boundaries: ceil(c_n / grain) - first <= floor(c_n / grain) per sequence longer than L.
-  c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - first) : 0);
+  c.per_bound = std::min(c.grain, c.window);
+  // Boundaries: ceil(c_n / grain) - 1 <= floor(c_n / grain) per sequence longer than L.
+  c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - 1) : 0);
   c.state_bytes = state_bytes;
   c.corrected = corrected;
   c.corr_bytes = corrected ? static_cast<size_t>(p.B * p.T) * p.Hv * p.K * 2 : 0;  // q~ in q's 16-bit dtype
@@ -876,15 +886,15 @@ CpLayout cp_layout(const Problem& p, int sms) {
 }
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.min_chunks / c.grain, c.max_bounds, t);
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.min_chunks, c.max_bounds, t);
   FGDN_CHECK_LAUNCH("cp_bounds_kernel");
 }
 
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   if (c.max_bounds == 0) return;
-  const dim3 grid(static_cast<unsigned>(c.max_bounds * c.window), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
+  const dim3 grid(static_cast<unsigned>(c.max_bounds * c.per_bound), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
   launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
-                   c.grain, c.window);
+                   c.grain, c.per_bound);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {

@@ -6,7 +6,7 @@
 // Launches, all on the caller's stream (no host synchronisation; capturable in a CUDA graph):
 //   1. bounds   (one CTA): every possible segment start of the sequences long enough to split,
 //               at multiples of the grain (a quarter of the shortest candidate segment length
-//               L_min, or L_min when it is fixed) from L_min on;
+//               L_min, or L_min when it is fixed; segments start from L_min on);
 //   2. certify  (a CTA per boundary, chunk of its window and 32 value heads): each chunk's
 //               summed gate per head (or a refusal), from which the plan decides, per (sequence,
 //               head, boundary), between a warm-up start (W chunks early, from zero) and the
@@ -76,7 +76,8 @@ struct CpLayout {
   int32_t sms = 0;
   int32_t min_chunks = 0;  // candidates L = cp_candidate_chunks(i, min_chunks), i < candidates (one when fixed)
   int32_t candidates = 0;
-  int32_t grain = 0;        // boundaries every `grain` chunks from L_min on (cp_grain)
+  int32_t grain = 0;        // boundaries every `grain` chunks (cp_grain); segments start from L_min on
+  int32_t per_bound = 0;    // chunk sums a boundary holds: min(grain, window)
   int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
@@ -98,7 +99,7 @@ struct CpTables {
   int4* splits;      // per split sequence {n, first slot, segments, 0}
   int32_t* warm;     // [slot x Hv]: the slot's warm-up chunks or kExactSegment
   int4* bounds;      // per boundary {n, k (start chunk / grain), chunks of n, 0}
-  float* chunk_gate;    // [boundary x window chunk x Hv]: the chunk's summed gate, +inf: refused
+  float* chunk_gate;    // [boundary x per_bound chunk x Hv]: the chunk's summed gate, +inf: refused
   int32_t* bound_warm;  // [boundary x Hv]: the warm-up chunks or kExactSegment (where the plan
                         // does not keep them in shared memory)
   int4* exact;          // where corrected: the exact segments {slot Hv + h, n, seg, 0}, in no
