@@ -13,10 +13,10 @@
 //   D       = len1 x the movable CTAs that phase 2 takes (cp_deferred)
 //   phase 1 = waves(Hv sum c + m + warm + F ctas1 - D, len1)
 //   phase 2 = waves(m + F exact + D, max(L + F, len1 if D > 0))   (m: chunks of exact segments)
-//   scan    = kCpScanSteps (ceil(max c / L) - 1)
+//   scan    = kCpScanFixedSteps + kCpScanSteps (ceil(max c / L) - 1)
 // With the exact segments' outputs corrected instead of walked again (`corrected`,
 // cp_layout): no second pass, so nothing moves (D = 0) and phase 2 is the correction,
-// kCpCorrectSteps where there is an exact segment.
+// kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / sms) where there is an exact segment.
 //   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
 // plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
 #pragma once
@@ -35,9 +35,17 @@ constexpr double kCpFillSteps = 2.0;
 // cycles a scan step, ~6400 a chunk of a chain; bench/NOTES.md step 16. It was 0.75 before the
 // scan's copy warp).
 constexpr double kCpScanSteps = 0.45;
+// The scan's own start (its launch behind phase 1, the first S_end and M): phase 1's end to the
+// scan's is ~5 us + ~1.35 us a step over the CP rows' timelines (H100, 2026-11-26: 2/8 1x32768
+// 31 steps 47.7 us, 25 steps 39.2; 8/16 1x2048 7 steps 13.5-14.0), ~1.5 chunk-steps.
+constexpr double kCpScanFixedSteps = 1.5;
 // The correction of the exact segments' outputs (cp_correct_kernel: a 64 x K by K x V product a
-// chunk, all chunks at once) against a chunk-step: ~one chunk's time, a guess until measured.
-constexpr double kCpCorrectSteps = 1.0;
+// unit, each CTA a contiguous run of units, one CTA an SM): the scan's end to the correction's
+// is ~2 us + ~5.7 us per unit a CTA takes over the same timelines (8/16 1x2048, 28 units: 7.7
+// us; 2/8 1x16384 and B2x8192, ~2 a CTA: 13.4-15.0; 2/8 2x16384, ~4 a CTA: 24.7), in
+// chunk-steps kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / SMs).
+constexpr double kCpCorrectSteps = 0.5;
+constexpr double kCpCorrectUnitSteps = 1.6;
 // A split must beat no split by this factor.
 constexpr double kCpMinGain = 0.9;
 // cp.plan[kPlanChunks] when nothing splits.
@@ -103,9 +111,9 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
       cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred, len1, sms);
   const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
   const double p2 = exact <= 0 ? 0.0
-                    : corrected ? kCpCorrectSteps
+                    : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * ceil(m / sms)
                                 : cp_waves(m + kCpFillSteps * exact + deferred, len2, sms);
-  const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
+  const double scan = kCpScanFixedSteps + kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }
 

@@ -39,6 +39,19 @@ __device__ inline int seq_bounds(int64_t c, int32_t grain, int32_t min_chunks) {
   return c > min_chunks ? static_cast<int>(ceil_div(c, static_cast<int64_t>(grain)) - 1) : 0;
 }
 
+// The tile's sequence that owns entry j of a tile-wide exclusive prefix `first` (kPlanThreads + 1
+// entries, the last the total): the last i with first[i] <= j, so first[i] <= j < first[i + 1]
+// and sequence i has at least one entry.
+__device__ inline int tile_owner(const int* first, int j) {
+  int lo = 0, hi = kPlanThreads;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (first[mid] <= j) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // ---- boundaries ----------------------------------------------------------------------------
 // One CTA. Every sequence of more than L_min chunks gets a boundary every grain chunks (k >= 1),
 // in sequence order (an exclusive scan); every candidate L (a multiple of the grain,
@@ -49,6 +62,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int base;
+  __shared__ int first[kPlanThreads + 1];  // the tile's sequences' first boundary (+ the count)
+  __shared__ int chunks[kPlanThreads];
   launch_dependents();  // the first of the pipeline: launched behind the caller's work as usual
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
@@ -58,9 +73,17 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
     const int nb = seq_bounds(c, grain, min_chunks);
     int b0, total;
     Scan(tmp).ExclusiveSum(nb, b0, total);
-    b0 += base;
-    for (int j = 0; j < nb && b0 + j < max_bounds; ++j)
-      t.bounds[b0 + j] = make_int4(static_cast<int>(n), j + 1, static_cast<int>(c), 0);
+    first[threadIdx.x] = b0;
+    chunks[threadIdx.x] = static_cast<int>(c);
+    if (threadIdx.x == 0) first[kPlanThreads] = total;
+    __syncthreads();
+    // The tile's boundaries a thread each (one sequence's on its own thread were a chain of
+    // stores: 127 of them at 2/8 1x32768 with boundaries every 4 chunks).
+    for (int i = threadIdx.x; i < total; i += kPlanThreads) {
+      const int s = tile_owner(first, i);
+      if (base + i < max_bounds)
+        t.bounds[base + i] = make_int4(static_cast<int>(n0) + s, i - first[s] + 1, chunks[s], 0);
+    }
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
@@ -274,19 +297,30 @@ __device__ inline int movable_heads(const int32_t* warm, int32_t hv, int4 u) {
 struct PlanView {
   int4 *bounds, *items, *slots;
   int32_t *bound_warm, *warm;
+  float* chunk_gate;  // the certificate's chunk sums
 };
 
 // The staged tables' layout in the plan kernel's dynamic shared memory, or 0 bytes where they do
 // not fit in kPlanStageBytes (one layout for the host's launch and the kernel).
 constexpr size_t kPlanStageBytes = 64 * 1024;
+// The certificate's chunk sums follow the tables where they fit too: pass 0 reads up to 16 of
+// them per (boundary, head), and with boundaries every L_min / 4 chunks a thread walks several
+// entries, each a round of dependent L2 loads (staged by one coalesced copy instead).
 struct PlanStage {
   int64_t bounds, items, slots;  // int4 entries
   int64_t bound_warm, warm;      // int32 entries
-  FGDN_HOST_DEVICE size_t bytes() const {
+  int64_t sums;                  // float entries
+  FGDN_HOST_DEVICE size_t table_bytes() const {
     return static_cast<size_t>(bounds + items + slots) * sizeof(int4) +
            static_cast<size_t>(bound_warm + warm) * sizeof(int32_t);
   }
-  FGDN_HOST_DEVICE bool fits() const { return bytes() <= kPlanStageBytes; }
+  FGDN_HOST_DEVICE bool fits() const { return table_bytes() <= kPlanStageBytes; }
+  FGDN_HOST_DEVICE bool sums_fit() const {
+    return table_bytes() + static_cast<size_t>(sums) * sizeof(float) <= kPlanStageBytes;
+  }
+  FGDN_HOST_DEVICE size_t bytes() const {
+    return !fits() ? 0 : table_bytes() + (sums_fit() ? static_cast<size_t>(sums) * sizeof(float) : 0);
+  }
 };
 
 // The (row, head) of the entries e = row Hv + h that thread threadIdx.x takes, e = threadIdx.x,
@@ -310,13 +344,14 @@ struct EntryWalk {
 };
 
 __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int4* smem) {
-  if (!st.fits()) return {t.bounds, t.items, t.slots, t.bound_warm, t.warm};
+  if (!st.fits()) return {t.bounds, t.items, t.slots, t.bound_warm, t.warm, t.chunk_gate};
   PlanView v;
   v.bounds = smem;
   v.items = v.bounds + st.bounds;
   v.slots = v.items + st.items;
   v.bound_warm = reinterpret_cast<int32_t*>(v.slots + st.slots);
   v.warm = v.bound_warm + st.bound_warm;
+  v.chunk_gate = st.sums_fit() ? reinterpret_cast<float*>(v.warm + st.warm) : t.chunk_gate;
   return v;
 }
 
@@ -352,8 +387,21 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   const int32_t n_bounds = t.plan[kPlanBounds];
   if (staged)
     for (int32_t i = threadIdx.x; i < n_bounds; i += kPlanThreads) v.bounds[i] = t.bounds[i];
+  if (v.chunk_gate != t.chunk_gate) {  // staged: all loads of a batch in flight, then the stores
+    constexpr int kBatch = 16;
+    const int n_sums = n_bounds * per_bound * hv;  // < kPlanStageBytes / 4 where staged
+    for (int i0 = threadIdx.x; i0 < n_sums; i0 += kBatch * kPlanThreads) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) x[u] = i0 + u * kPlanThreads < n_sums ? t.chunk_gate[i0 + u * kPlanThreads] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (i0 + u * kPlanThreads < n_sums) v.chunk_gate[i0 + u * kPlanThreads] = x[u];
+    }
+    __syncthreads();
+  }
   for (EntryWalk w(hv); w.row < n_bounds; w.next())
-    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, per_bound, hv, w.h);
+    v.bound_warm[w.entry()] = cp_warm_up(v.chunk_gate, w.row, window, per_bound, hv, w.h);
   __syncthreads();
 
   if (candidates == 1) {
@@ -482,12 +530,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     // of ~250 cycles a segment: bench/NOTES.md, step 21): segment j belongs to the tile's
     // sequence i with seg_first[i] <= j < seg_first[i + 1] (every sequence has a segment).
     for (int j = threadIdx.x; j < items; j += kPlanThreads) {
-      int lo = 0, hi = kPlanThreads;
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (seg_first[mid] <= j) lo = mid;
-        else hi = mid;
-      }
+      const int lo = tile_owner(seg_first, j);
       const int s = j - seg_first[lo], nsegs = seg_first[lo + 1] - seg_first[lo];
       const int4 where = seg_of[lo];
       const int seq_n = static_cast<int>(n0) + lo;
@@ -904,9 +947,10 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   stage.slots = c.max_slots;
   stage.bound_warm = c.max_bounds * fp.Hv;
   stage.warm = c.max_slots * fp.Hv;
+  stage.sums = c.max_bounds * c.per_bound * fp.Hv;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
-  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream,
+  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.bytes(), stream,
                    "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
                    c.min_chunks, c.candidates, c.grain,
                    c.window, c.max_items, c.max_slots, c.max_splits, stage, t);

@@ -161,11 +161,13 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
       // run at 8166fd8; walked again, it was 125 / 117 and 115 / 117):
       {"16/32 1x2048, corrected (102 / 119)", {2048}, 32, false, true},
       {"8/32 1x2048, corrected (100 / 116)", {2048}, 32, false, true},
-      // Lost at the power-of-two candidates (138 / 118 us and 0.273 / 0.230 ms, walked again,
-      // above); with the lengths between them (step 32: L = 10 and 5 chunks) and the
-      // correction the model runs them. A prediction, to be measured before it lands.
-      {"4/4 B8x2048 (138 / 118 at L = 16)", std::vector<int64_t>(8, 2048), 4, false, true},
-      {"2/8 8x4096 varlen (0.273 / 0.230 at L = 16)", std::vector<int64_t>(8, 4096), 8, true, true},
+      // Lost at the power-of-two candidates (138 / 118 us and 0.273 / 0.230 ms, walked again);
+      // with the lengths between them and the correction priced at one chunk-step, the model
+      // ran 4/4 B8x2048, and it lost again (step 32, graph replays: 126.6 / 116.2 us): the scan
+      // and the correction took ~24 and ~15 us. Priced as measured (kCpScanFixedSteps,
+      // kCpCorrectUnitSteps), neither runs.
+      {"4/4 B8x2048 (126.6 / 116.2 at step 32)", std::vector<int64_t>(8, 2048), 4, false, false},
+      {"2/8 8x4096 varlen (0.273 / 0.230 at L = 16)", std::vector<int64_t>(8, 4096), 8, true, false},
   };
   for (const Case& c : cases) {
     const HostChoice h = pipeline_pays(c.tokens, c.hv, c.varlen);
