@@ -14,7 +14,6 @@
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
-#include "sm90/cp_cost_model.h"
 #include "sm90/dependent_launch.h"
 #include "sm90/fwd_context_parallel.h"
 #include "sm90/ptx.cuh"
@@ -175,7 +174,7 @@ void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   // A bound on the units (the plan has the count: the exact segments' chunks, at most every
   // chunk of every split sequence and head), at most what is resident at once: each CTA takes
   // a contiguous share of the plan's count.
-  const int64_t units = c.max_slots * fp.Hv * cp_candidate_chunks(c.candidates - 1, c.min_chunks);
+  const int64_t units = c.max_slots * fp.Hv * c.cand.chunks(c.cand.count - 1);
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(per_sm) * c.sms);
   if (grid <= 0) return;
   launch_dependent(cp_correct_kernel<kD, Tin>, dim3(static_cast<unsigned>(grid)), dim3(kCorrectThreads), bytes,

@@ -356,15 +356,15 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 }
 
 // One CTA. Pass 0: every (boundary, head)'s warm-up from the certificate's chunk sums
-// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min q / 4 the cost model's
-// inputs, from the sequence lengths and the warm-ups of the boundaries it starts segments on
-// (k a multiple of q: boundaries are every grain = L_min / 4 chunks); then the cheapest L
-// (cp_cost_model.h). Pass 2: the items (one per unsplit sequence or segment), longest first,
-// and the slots (segments of split sequences), in sequence order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
-// where the exact segments are corrected, their list (t.exact). Pass 4: what phase 2 takes.
+// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = q grains (CpCandidates) the cost
+// model's inputs, from the sequence lengths and the warm-ups of the boundaries it starts
+// segments on (k a multiple of q); then the cheapest L (cp_cost_model.h). Pass 2: the items
+// (one per unsplit sequence or segment), longest first, and the slots (segments of split
+// sequences), in sequence order by block-wide exclusive scans. Pass 3: each slot's warm-up from
+// its boundary's, and where the exact segments are corrected, their list (t.exact). Pass 4:
+// what phase 2 takes.
 __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
-                                                                int32_t corrected, int32_t min_chunks,
-                                                                int32_t candidates, int32_t grain,
+                                                                int32_t corrected, CpCandidates cand,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
@@ -381,6 +381,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   grid_dependency_wait();  // the certificates
   launch_dependents();
   const int64_t N = seq.N;
+  const int32_t min_chunks = cand.min_chunks, grain = cand.grain();
   const int32_t per_bound = min(grain, window);  // chunk sums a boundary holds (cp_certify_kernel)
 
   // Pass 0 (the boundaries' loads fly with the chunk sums').
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     v.bound_warm[w.entry()] = cp_warm_up(v.chunk_gate, w.row, window, per_bound, hv, w.h);
   __syncthreads();
 
-  if (candidates == 1) {
+  if (cand.count == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
   } else {
     PlanStats own = {};
@@ -418,7 +419,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const uint32_t c32 = static_cast<uint32_t>(c);
 #pragma unroll
       for (int i = 0; i < kCpMaxCandidates; ++i) {
-        const uint32_t L = static_cast<uint32_t>(cp_candidate_chunks(i, min_chunks));
+        const uint32_t L = static_cast<uint32_t>(cand.chunks(i));
         own.cand[i].items += c32 > L ? (c32 + L - 1) / L : 1u;
         own.cand[i].movable += c32 > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
@@ -430,10 +431,11 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const int32_t warm = v.bound_warm[e];
 #pragma unroll
       for (int i = 0; i < kCpMaxCandidates; ++i) {
-        const int32_t q = cp_candidate_quarters(i);  // candidate i's segments start at k = q, 2 q, ..
+        if (i >= cand.count) break;
+        const int32_t q = cand.grains(i);  // candidate i's segments start at k = q, 2 q, ..
         if (r.y % q != 0) continue;
         CpCandidateStats& cs = own.cand[i];
-        const long long L = cp_candidate_chunks(i, min_chunks);
+        const long long L = cand.chunks(i);
         const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * grain;
         if (warm == kExactSegment) {
           cs.exact += 1;
@@ -453,14 +455,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     // The candidates priced a thread each (the cost model's integer divisions and waves in
     // double precision cost ~900 cycles a candidate), the no-split bar by one more, then the pick.
     const double sum_c = static_cast<double>(all.sum_c), max_c = static_cast<double>(all.max_c);
-    if (threadIdx.x < candidates) {
+    if (threadIdx.x < cand.count) {
       const int i = static_cast<int>(threadIdx.x);
-      cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms, corrected != 0);
-    } else if (threadIdx.x == candidates) {
+      cost[i] = cp_candidate_steps(all.cand[i], i, cand, sum_c, max_c, hv, sms, corrected != 0);
+    } else if (threadIdx.x == cand.count) {
       cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms);
     }
     __syncthreads();
-    if (threadIdx.x == 0) chosen = cp_pick_from(cost, candidates, min_chunks, cost[kCpMaxCandidates]);
+    if (threadIdx.x == 0) chosen = cp_pick_from(cost, cand, cost[kCpMaxCandidates]);
   }
   if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = exact_count = 0;
   __syncthreads();
@@ -878,31 +880,31 @@ CpLayout cp_layout(const Problem& p, int sms) {
   const int64_t longest = ceil_div(p.T, 64);  // varlen: T is the packed total
   const int64_t balanced = ceil_div(p.Hv * sum_c, sms);
   if (p.cp_segment > 0) {
-    c.min_chunks = static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, kCpNoSplit));
-    c.candidates = 1;
+    c.cand = cp_fixed_length(static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, kCpNoSplit)));
   } else {
     // Candidates from a quarter of the balanced load up (shorter segments cannot pay for their
     // joins).
-    c.min_chunks = cp_min_chunks(balanced);
-    c.candidates = kCpMaxCandidates;
+    c.cand = cp_candidates(cp_min_chunks(balanced), true);  // the set: below, from the lengths
   }
-  c.grain = cp_grain(c.min_chunks, c.candidates);
-  const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
+  const bool worth = longest >= 2 * balanced && longest > c.cand.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
-  const int64_t L = c.min_chunks;
+  const int64_t L = c.cand.min_chunks;
   // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
   // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Every
   // candidate is at least L_min = L long, so these bounds hold for the plan's choice.
   const int64_t max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   const size_t state_bytes = static_cast<size_t>(max_slots) * p.Hv * p.K * p.K * sizeof(float);
-  const bool corrected = max_slots > 0 && cp_corrects(c.min_chunks, p.K, p.varlen,
+  const bool corrected = max_slots > 0 && cp_corrects(c.cand.min_chunks, p.K, p.varlen,
                                                       p.precision == FGDN_PRECISION_HIGH, p.checkpoint_every > 0);
   // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
-  // workspace query, which sizes for the pipeline), no pipeline where a split with one exact
-  // head per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture
-  // this is decided from the capture's lengths.
-  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && (!p.varlen || p.have_host_seqlens)) {
+  // workspace query, which sizes for the pipeline), the candidate set (the fine one only where
+  // it pays for its boundaries, cp_fine_pays), and no pipeline where a split with one exact head
+  // per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture this is
+  // decided from the capture's lengths. Without them the set stays the fine one, whose tables
+  // bound the coarse one's (boundaries every L_min / 4 chunks, each with up to L_min / 4 sums).
+  const bool auto_cp = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO;
+  if ((!p.varlen || p.have_host_seqlens) && (auto_cp || c.cand.count > 1)) {
     std::vector<CpSeqGroup> groups;
     if (!p.varlen) {
       groups.push_back({C, p.B});
@@ -910,15 +912,19 @@ CpLayout cp_layout(const Problem& p, int sms) {
       groups.reserve(static_cast<size_t>(p.N));
       for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
     }
-    if (!cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
-                           c.min_chunks, c.candidates, sms, corrected))
-      return c;
+    const int64_t n_groups = static_cast<int64_t>(groups.size());
+    const auto hv = static_cast<double>(p.Hv);
+    if (c.cand.count > 1)
+      c.cand = cp_candidates(c.cand.min_chunks, cp_fine_pays(groups.data(), n_groups, hv, c.cand.min_chunks, sms,
+                                                             corrected));
+    if (auto_cp && !cp_pipeline_pays(groups.data(), n_groups, hv, c.cand, sms, corrected)) return c;
   }
   c.enabled = true;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
+  c.grain = c.cand.grain();
   c.per_bound = std::min(c.grain, c.window);
   // Boundaries: ceil(c_n / grain) - 1 <= floor(c_n / grain) per sequence longer than L.
   c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - 1) : 0);
@@ -929,7 +935,7 @@ CpLayout cp_layout(const Problem& p, int sms) {
 }
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.min_chunks, c.max_bounds, t);
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.cand.min_chunks, c.max_bounds, t);
   FGDN_CHECK_LAUNCH("cp_bounds_kernel");
 }
 
@@ -952,7 +958,7 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
                                        static_cast<int>(kPlanStageBytes)));
   launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.bytes(), stream,
                    "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
-                   c.min_chunks, c.candidates, c.grain,
+                   c.cand,
                    c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
 }
 

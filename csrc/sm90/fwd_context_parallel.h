@@ -5,8 +5,8 @@
 //
 // Launches, all on the caller's stream (no host synchronisation; capturable in a CUDA graph):
 //   1. bounds   (one CTA): every possible segment start of the sequences long enough to split,
-//               at multiples of the grain (a quarter of the shortest candidate segment length
-//               L_min, or L_min when it is fixed; segments start from L_min on);
+//               at multiples of the grain (L_min / 4 for the fine candidate set, else the
+//               shortest candidate segment length L_min; segments start from L_min on);
 //   2. certify  (a CTA per boundary, chunk of its window and 32 value heads): each chunk's
 //               summed gate per head (or a refusal), from which the plan decides, per (sequence,
 //               head, boundary), between a warm-up start (W chunks early, from zero) and the
@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "common/problem.h"
+#include "sm90/cp_cost_model.h"
 #include "sm90/fwd_params.h"
 
 namespace flashgdn::sm90 {
@@ -74,9 +75,8 @@ constexpr int32_t kCertifyMaxChunks = 16;
 struct CpLayout {
   bool enabled = false;
   int32_t sms = 0;
-  int32_t min_chunks = 0;  // candidates L = cp_candidate_chunks(i, min_chunks), i < candidates (one when fixed)
-  int32_t candidates = 0;
-  int32_t grain = 0;        // boundaries every `grain` chunks (cp_grain); segments start from L_min on
+  CpCandidates cand;       // the segment lengths the plan chooses from (one when fixed)
+  int32_t grain = 0;        // boundaries every `grain` chunks (cand.grain()); segments start from L_min on
   int32_t per_bound = 0;    // chunk sums a boundary holds: min(grain, window)
   int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;

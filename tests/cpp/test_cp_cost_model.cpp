@@ -25,8 +25,16 @@ struct Shape {
 
 struct Choice {
   int32_t min_chunks, chunks;
+  bool fine;
   double cost, unsplit;
 };
+
+// The sequences as the host groups them (cp_layout: one group a sequence).
+std::vector<CpSeqGroup> groups_of(const std::vector<int64_t>& tokens) {
+  std::vector<CpSeqGroup> groups;
+  for (int64_t t : tokens) groups.push_back({(t + 63) / 64, 1});
+  return groups;
+}
 
 Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   const int64_t hv = static_cast<int64_t>(s.warm.size());
@@ -39,9 +47,13 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   }
   Choice r{};
   r.min_chunks = cp_min_chunks((hv * sum_c + sms - 1) / sms);
+  const std::vector<CpSeqGroup> groups = groups_of(s.tokens);
+  r.fine = cp_fine_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), r.min_chunks,
+                        sms, corrected);
+  const CpCandidates cand = cp_candidates(r.min_chunks, r.fine);
   CpCandidateStats st[kCpMaxCandidates] = {};
-  for (int i = 0; i < kCpMaxCandidates; ++i) {
-    const int64_t L = cp_candidate_chunks(i, r.min_chunks);
+  for (int i = 0; i < cand.count; ++i) {
+    const int64_t L = cand.chunks(i);
     for (int64_t cn : c) {
       st[i].items += cn > L ? (cn + L - 1) / L : 1;
       if (cn <= L) st[i].movable += static_cast<unsigned long long>(hv);  // unsplit
@@ -59,11 +71,10 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
     }
   }
   const double n = static_cast<double>(c.size());
-  r.chunks = cp_choose_chunks(st, kCpMaxCandidates, r.min_chunks, double(sum_c), double(max_c), n, double(hv), sms,
-                              corrected);
+  r.chunks = cp_choose_chunks(st, cand, double(sum_c), double(max_c), n, double(hv), sms, corrected);
   r.unsplit = cp_unsplit_steps(double(sum_c), double(max_c), n, double(hv), sms);
   int chosen = 0;
-  while (chosen + 1 < kCpMaxCandidates && cp_candidate_chunks(chosen, r.min_chunks) != r.chunks) ++chosen;
+  while (chosen + 1 < cand.count && cand.chunks(chosen) != r.chunks) ++chosen;
   r.cost = r.chunks == kCpNoSplit ? r.unsplit
                                   : cp_steps(st[chosen], double(sum_c), double(max_c), double(r.chunks), double(hv), sms,
                                              corrected);
@@ -107,13 +118,12 @@ TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
 // of exact segments (cp_corrects, K = V = 128, `fast`) as cp_layout takes them: from the
 // balanced load over the chunk slots (varlen: a bound, ceil(T / 64) + N).
 struct HostChoice {
-  bool runs, corrected;
+  bool runs, corrected, fine;
 };
 HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
-  std::vector<CpSeqGroup> groups;
+  const std::vector<CpSeqGroup> groups = groups_of(tokens);
   int64_t total = 0, slots = 0, longest = 0;
   for (int64_t t : tokens) {
-    groups.push_back({(t + 63) / 64, 1});
     total += t;
     slots += (t + 63) / 64;
     longest = std::max(longest, t);
@@ -123,9 +133,11 @@ HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool va
   const int64_t C = (longest + 63) / 64;
   const bool splits = varlen || C > min_chunks;  // dense: max_slots > 0
   const bool corrected = splits && cp_corrects(min_chunks, 128, varlen, false, false);
-  return {cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
-                           kCpMaxCandidates, kH100Sms, corrected),
-          corrected};
+  const auto n = static_cast<int64_t>(groups.size());
+  const bool fine = cp_fine_pays(groups.data(), n, static_cast<double>(hv), min_chunks, kH100Sms, corrected);
+  return {cp_pipeline_pays(groups.data(), n, static_cast<double>(hv), cp_candidates(min_chunks, fine), kH100Sms,
+                           corrected),
+          corrected, fine};
 }
 
 TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
@@ -247,22 +259,51 @@ TEST(CpCostModel, MinChunksIsAPowerOfTwoAboveAQuarterOfTheBalancedLoad) {
 }  // namespace
 
 TEST(CpCostModel, CandidatesAreWholeGrainsFromLMinUp) {
-  // The plan chooses among L = L_min q / 4; boundaries are every grain = L_min / 4 chunks from
-  // L_min on, so every candidate's segment starts (multiples of L) are boundaries.
-  for (int32_t lmin : {4, 8, 16, 64, 1024}) {
-    const int32_t g = cp_grain(lmin, kCpMaxCandidates);
-    EXPECT_EQ(4 * g, lmin);
-    int64_t prev = 0;
-    for (int i = 0; i < kCpMaxCandidates; ++i) {
-      const int64_t L = cp_candidate_chunks(i, lmin);
-      EXPECT_EQ(L % g, 0) << lmin << " " << i;
-      EXPECT_GT(L, prev) << lmin << " " << i;  // increasing: the first of equal costs is the shortest
-      prev = L;
+  // Fine: L = L_min q / 4 over boundaries every grain = L_min / 4 chunks; coarse: L = L_min 2^i
+  // over boundaries every L_min. Segments start from L_min on, so every candidate's segment
+  // starts (multiples of L) are boundaries.
+  for (bool fine : {true, false})
+    for (int32_t lmin : {4, 8, 16, 64, 1024}) {
+      const CpCandidates cand = cp_candidates(lmin, fine);
+      EXPECT_EQ(cand.count, fine ? 8 : 6);
+      EXPECT_LE(cand.count, kCpMaxCandidates);
+      EXPECT_EQ((fine ? 4 : 1) * cand.grain(), lmin);
+      int64_t prev = 0;
+      for (int i = 0; i < cand.count; ++i) {
+        const int64_t L = cand.chunks(i);
+        EXPECT_EQ(L, static_cast<int64_t>(cand.grain()) * cand.grains(i)) << lmin << " " << i;
+        EXPECT_GT(L, prev) << lmin << " " << i;  // increasing: the first of equal costs is the shortest
+        prev = L;
+      }
+      EXPECT_EQ(cand.chunks(0), lmin);
+      EXPECT_EQ(cand.chunks(cand.count - 1), (fine ? 8 : 32) * static_cast<int64_t>(lmin));
     }
-    EXPECT_EQ(cp_candidate_chunks(0, lmin), lmin);
-    EXPECT_EQ(cp_candidate_chunks(kCpMaxCandidates - 1, lmin), 8 * static_cast<int64_t>(lmin));
-  }
   // A fixed segment length: one candidate of any length, a boundary every L.
-  EXPECT_EQ(cp_grain(3, 1), 3);
-  EXPECT_EQ(cp_candidate_chunks(0, 3), 3);
+  const CpCandidates fixed = cp_fixed_length(3);
+  EXPECT_EQ(fixed.count, 1);
+  EXPECT_EQ(fixed.grain(), 3);
+  EXPECT_EQ(fixed.chunks(0), 3);
+}
+
+TEST(CpCostModel, TheFineSetOnlyWhereItPaysForItsBoundaries) {
+  // Step 32b (bench/NOTES.md; the all-flashgdn matrix against main, H100): the fine set gained
+  // 13-20% where the model priced it >= 9% under the coarse one, and lost 4-10% (its larger
+  // pre-phase) where the model's pick was a power of two anyway.
+  struct Case {
+    const char* cell;
+    std::vector<int64_t> tokens;
+    int64_t hv;
+    bool varlen, fine;
+  };
+  const std::vector<Case> cases = {
+      {"2/8 1x32768 (L 16 -> 20: 296 -> 257 us)", {32768}, 8, false, true},
+      {"8/16 1x16384 (L 16 -> 20: 273 -> 232 us)", {16384}, 16, false, true},
+      {"2/8 2x16384 varlen (L 16 -> 40: 303 -> 241 us)", {16384, 16384}, 8, true, true},
+      {"8/32 1x32768 (L 32 -> 48: 8.7% faster)", {32768}, 32, false, true},
+      {"8/16 1x2048 (L 4 both: 94 -> 101 us)", {2048}, 16, false, false},
+      {"16/64 1x32768 (L 64 both)", {32768}, 64, false, false},
+      {"16/32 1x4096 (L 16 both: 125 -> 133 us)", {4096}, 32, false, false},
+      {"4/4 B2x8192 (priced 9.5% under: 0.9% slower)", {8192, 8192}, 4, false, false},
+  };
+  for (const Case& c : cases) EXPECT_EQ(pipeline_pays(c.tokens, c.hv, c.varlen).fine, c.fine) << c.cell;
 }
