@@ -63,21 +63,24 @@ constexpr int kCpMaxCandidates = 8;  // the larger of the two sets (CpCandidates
 // step 32b), so the host takes it only where it pays (cp_fine_pays). With several candidates
 // L_min is a power of two >= 4, so every L is a whole number of grains. A fixed length (the
 // caller's cp_segment) is one coarse candidate of any length.
+// Candidate i's length in grains: its segments start at every this-many-th boundary.
+FGDN_HOST_DEVICE constexpr int32_t cp_candidate_grains(int i, bool fine) {
+  return !fine ? 1 << i : i <= 2 ? 4 + i : i <= 5 ? 8 + 2 * (i - 3) : i == 6 ? 16 : 32;
+}
+constexpr int kCpCoarseCandidates = 6;
+constexpr int kCpFineCandidates = 8;
+FGDN_HOST_DEVICE constexpr int cp_candidate_count(bool fine) { return fine ? kCpFineCandidates : kCpCoarseCandidates; }
+
 struct CpCandidates {
   int32_t min_chunks = 0;  // L_min, the first candidate
   int count = 0;           // 1: a fixed length
   bool fine = false;
   FGDN_HOST_DEVICE constexpr int32_t grain() const { return fine ? min_chunks / 4 : min_chunks; }
-  // Candidate i's length in grains: its segments start at every grains(i)-th boundary.
-  FGDN_HOST_DEVICE constexpr int32_t grains(int i) const {
-    return !fine ? 1 << i : i <= 2 ? 4 + i : i <= 5 ? 8 + 2 * (i - 3) : i == 6 ? 16 : 32;
-  }
+  FGDN_HOST_DEVICE constexpr int32_t grains(int i) const { return cp_candidate_grains(i, fine); }
   FGDN_HOST_DEVICE constexpr int64_t chunks(int i) const { return static_cast<int64_t>(grain()) * grains(i); }
 };
-constexpr int kCpCoarseCandidates = 6;
-constexpr int kCpFineCandidates = 8;
 FGDN_HOST_DEVICE constexpr CpCandidates cp_candidates(int32_t min_chunks, bool fine) {
-  return {min_chunks, fine ? kCpFineCandidates : kCpCoarseCandidates, fine};
+  return {min_chunks, cp_candidate_count(fine), fine};
 }
 FGDN_HOST_DEVICE constexpr CpCandidates cp_fixed_length(int32_t chunks) { return {chunks, 1, false}; }
 

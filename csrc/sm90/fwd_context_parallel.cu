@@ -217,24 +217,32 @@ __device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t
 }
 
 // ---- plan statistics (the cost model is cp_cost_model.h) ------------------------------------
+// Per candidate set (a template argument of the plan kernel, so that the coarse set's loops are
+// those of 6 power-of-two lengths, as before the fine set existed: bench/NOTES.md, step 32c).
+template <bool kFine>
 struct PlanStats {
+  static constexpr int kCandidates = cp_candidate_count(kFine);
+  static constexpr int kFields = 2 + 6 * kCandidates;
   unsigned long long sum_c, max_c;
-  CpCandidateStats cand[kCpMaxCandidates];
+  CpCandidateStats cand[kCandidates];
 };
 
 // Block-wide reduction of every PlanStats field (sums; maxima for max_c and warm_max), integers
 // so the order does not matter: each warp's values by shuffles, then thread f over the warps'
 // partials of field f. (A block-wide atomic round per field, 38 of them, took ~12000 of the
 // plan's ~40000 cycles: bench/NOTES.md, step 12.)
-constexpr int kStatFields = sizeof(PlanStats) / sizeof(unsigned long long);
 static_assert(sizeof(CpCandidateStats) == 6 * sizeof(unsigned long long) &&
-                  offsetof(PlanStats, cand) == 2 * sizeof(unsigned long long) &&
+                  offsetof(PlanStats<false>, cand) == 2 * sizeof(unsigned long long) &&
+                  offsetof(PlanStats<true>, cand) == 2 * sizeof(unsigned long long) &&
+                  sizeof(PlanStats<true>) == PlanStats<true>::kFields * sizeof(unsigned long long) &&
                   offsetof(CpCandidateStats, warm_max) == 4 * sizeof(unsigned long long),
               "stat_is_max assumes this layout");
 __device__ __forceinline__ bool stat_is_max(int f) { return f == 1 || (f >= 2 && (f - 2) % 6 == 4); }
 
-__device__ inline void block_reduce_stats(const PlanStats& own, PlanStats& all,
-                                          unsigned long long (*partial)[kStatFields]) {
+template <class Stats>
+__device__ inline void block_reduce_stats(const Stats& own, Stats& all,
+                                          unsigned long long (*partial)[Stats::kFields]) {
+  constexpr int kStatFields = Stats::kFields;
   const auto* x = reinterpret_cast<const unsigned long long*>(&own);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
@@ -363,14 +371,18 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 // sequences), in sequence order by block-wide exclusive scans. Pass 3: each slot's warm-up from
 // its boundary's, and where the exact segments are corrected, their list (t.exact). Pass 4:
 // what phase 2 takes.
-__global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
+// One CTA on the GPU: `1` lets the fine set's unrolled statistics take 147 registers (ptxas
+// capped them at 128 with a 40-byte stack otherwise).
+template <bool kFine>
+__global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
                                                                 int32_t corrected, CpCandidates cand,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
+  using Stats = PlanStats<kFine>;
   __shared__ union {
     typename Scan::TempStorage scan[4];  // pass 2's four scans, no barrier between them
-    PlanStats stats;
+    Stats stats;
   } tmp;
   __shared__ int chosen;
   __shared__ int base[4];
@@ -408,7 +420,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   if (cand.count == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
   } else {
-    PlanStats own = {};
+    Stats own = {};
     // Per sequence: chunks and items.
     for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
       const unsigned long long c = static_cast<unsigned long long>(seq_chunks(seq, n));
@@ -418,8 +430,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       // bits (the boundaries' table holds it as an int).
       const uint32_t c32 = static_cast<uint32_t>(c);
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {
-        const uint32_t L = static_cast<uint32_t>(cand.chunks(i));
+      for (int i = 0; i < Stats::kCandidates; ++i) {
+        const uint32_t L = static_cast<uint32_t>(grain * cp_candidate_grains(i, kFine));
         own.cand[i].items += c32 > L ? (c32 + L - 1) / L : 1u;
         own.cand[i].movable += c32 > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
@@ -430,12 +442,12 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const int4 r = v.bounds[w.row];
       const int32_t warm = v.bound_warm[e];
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {
-        if (i >= cand.count) break;
-        const int32_t q = cand.grains(i);  // candidate i's segments start at k = q, 2 q, ..
+      for (int i = 0; i < Stats::kCandidates; ++i) {
+        // Candidate i's segments start at k = q, 2 q, .. (a constant per unrolled i).
+        const int32_t q = cp_candidate_grains(i, kFine);
         if (r.y % q != 0) continue;
         CpCandidateStats& cs = own.cand[i];
-        const long long L = cand.chunks(i);
+        const long long L = static_cast<long long>(grain) * q;
         const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * grain;
         if (warm == kExactSegment) {
           cs.exact += 1;
@@ -448,9 +460,9 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
         }
       }
     }
-    __shared__ unsigned long long partial[kPlanThreads / 32][kStatFields];
+    __shared__ unsigned long long partial[kPlanThreads / 32][Stats::kFields];
     __shared__ double cost[kCpMaxCandidates + 1];
-    PlanStats& all = tmp.stats;
+    Stats& all = tmp.stats;
     block_reduce_stats(own, all, partial);
     // The candidates priced a thread each (the cost model's integer divisions and waves in
     // double precision cost ~900 cycles a candidate), the no-split bar by one more, then the pick.
@@ -954,12 +966,13 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   stage.bound_warm = c.max_bounds * fp.Hv;
   stage.warm = c.max_slots * fp.Hv;
   stage.sums = c.max_bounds * c.per_bound * fp.Hv;
-  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // The fixed length (one candidate) takes the coarse instantiation: its pass 1 does not run.
+  const auto kernel = c.cand.fine ? cp_plan_kernel<true> : cp_plan_kernel<false>;
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
-  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.bytes(), stream,
-                   "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
-                   c.cand,
-                   c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
+  launch_dependent(kernel, dim3(1), dim3(kPlanThreads), stage.bytes(), stream, "cp_plan_kernel", fp.seq,
+                   static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.cand, c.window, c.max_items,
+                   c.max_slots, c.max_splits, stage, t);
 }
 
 template <int kD>
