@@ -305,30 +305,19 @@ __device__ inline int movable_heads(const int32_t* warm, int32_t hv, int4 u) {
 struct PlanView {
   int4 *bounds, *items, *slots;
   int32_t *bound_warm, *warm;
-  float* chunk_gate;  // the certificate's chunk sums
 };
 
 // The staged tables' layout in the plan kernel's dynamic shared memory, or 0 bytes where they do
 // not fit in kPlanStageBytes (one layout for the host's launch and the kernel).
 constexpr size_t kPlanStageBytes = 64 * 1024;
-// The certificate's chunk sums follow the tables where they fit too: pass 0 reads up to 16 of
-// them per (boundary, head), and with boundaries every L_min / 4 chunks a thread walks several
-// entries, each a round of dependent L2 loads (staged by one coalesced copy instead).
 struct PlanStage {
   int64_t bounds, items, slots;  // int4 entries
   int64_t bound_warm, warm;      // int32 entries
-  int64_t sums;                  // float entries
-  FGDN_HOST_DEVICE size_t table_bytes() const {
+  FGDN_HOST_DEVICE size_t bytes() const {
     return static_cast<size_t>(bounds + items + slots) * sizeof(int4) +
            static_cast<size_t>(bound_warm + warm) * sizeof(int32_t);
   }
-  FGDN_HOST_DEVICE bool fits() const { return table_bytes() <= kPlanStageBytes; }
-  FGDN_HOST_DEVICE bool sums_fit() const {
-    return table_bytes() + static_cast<size_t>(sums) * sizeof(float) <= kPlanStageBytes;
-  }
-  FGDN_HOST_DEVICE size_t bytes() const {
-    return !fits() ? 0 : table_bytes() + (sums_fit() ? static_cast<size_t>(sums) * sizeof(float) : 0);
-  }
+  FGDN_HOST_DEVICE bool fits() const { return bytes() <= kPlanStageBytes; }
 };
 
 // The (row, head) of the entries e = row Hv + h that thread threadIdx.x takes, e = threadIdx.x,
@@ -352,14 +341,13 @@ struct EntryWalk {
 };
 
 __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int4* smem) {
-  if (!st.fits()) return {t.bounds, t.items, t.slots, t.bound_warm, t.warm, t.chunk_gate};
+  if (!st.fits()) return {t.bounds, t.items, t.slots, t.bound_warm, t.warm};
   PlanView v;
   v.bounds = smem;
   v.items = v.bounds + st.bounds;
   v.slots = v.items + st.items;
   v.bound_warm = reinterpret_cast<int32_t*>(v.slots + st.slots);
   v.warm = v.bound_warm + st.bound_warm;
-  v.chunk_gate = st.sums_fit() ? reinterpret_cast<float*>(v.warm + st.warm) : t.chunk_gate;
   return v;
 }
 
@@ -400,21 +388,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayou
   const int32_t n_bounds = t.plan[kPlanBounds];
   if (staged)
     for (int32_t i = threadIdx.x; i < n_bounds; i += kPlanThreads) v.bounds[i] = t.bounds[i];
-  if (v.chunk_gate != t.chunk_gate) {  // staged: all loads of a batch in flight, then the stores
-    constexpr int kBatch = 16;
-    const int n_sums = n_bounds * per_bound * hv;  // < kPlanStageBytes / 4 where staged
-    for (int i0 = threadIdx.x; i0 < n_sums; i0 += kBatch * kPlanThreads) {
-      float x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) x[u] = i0 + u * kPlanThreads < n_sums ? t.chunk_gate[i0 + u * kPlanThreads] : 0.f;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (i0 + u * kPlanThreads < n_sums) v.chunk_gate[i0 + u * kPlanThreads] = x[u];
-    }
-    __syncthreads();
-  }
   for (EntryWalk w(hv); w.row < n_bounds; w.next())
-    v.bound_warm[w.entry()] = cp_warm_up(v.chunk_gate, w.row, window, per_bound, hv, w.h);
+    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, per_bound, hv, w.h);
   __syncthreads();
 
   if (cand.count == 1) {
@@ -965,13 +940,12 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   stage.slots = c.max_slots;
   stage.bound_warm = c.max_bounds * fp.Hv;
   stage.warm = c.max_slots * fp.Hv;
-  stage.sums = c.max_bounds * c.per_bound * fp.Hv;
   // The fixed length (one candidate) takes the coarse instantiation: its pass 1 does not run.
   const auto kernel = c.cand.fine ? cp_plan_kernel<true> : cp_plan_kernel<false>;
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
-  launch_dependent(kernel, dim3(1), dim3(kPlanThreads), stage.bytes(), stream, "cp_plan_kernel", fp.seq,
-                   static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.cand, c.window, c.max_items,
+  launch_dependent(kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream, "cp_plan_kernel",
+                   fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.cand, c.window, c.max_items,
                    c.max_slots, c.max_splits, stage, t);
 }
 
