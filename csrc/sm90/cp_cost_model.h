@@ -13,7 +13,7 @@
 //   D       = len1 x the movable CTAs that phase 2 takes (cp_deferred)
 //   phase 1 = waves(Hv sum c + m + warm + F ctas1 - D, len1)
 //   phase 2 = waves(m + F exact + D, max(L + F, len1 if D > 0))   (m: chunks of exact segments)
-//   scan    = kCpScanFixedSteps + kCpScanSteps (ceil(max c / L) - 1)
+//   scan    = kCpScanSteps (ceil(max c / L) - 1)
 // With the exact segments' outputs corrected instead of walked again (`corrected`,
 // cp_layout): no second pass, so nothing moves (D = 0) and phase 2 is the correction,
 // kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / sms) where there is an exact segment.
@@ -37,7 +37,12 @@ constexpr double kCpFillSteps = 2.0;
 constexpr double kCpScanSteps = 0.45;
 // The scan's own start (its launch behind phase 1, the first S_end and M): phase 1's end to the
 // scan's is ~5 us + ~1.35 us a step over the CP rows' timelines (H100, 2026-11-26: 2/8 1x32768
-// 31 steps 47.7 us, 25 steps 39.2; 8/16 1x2048 7 steps 13.5-14.0), ~1.5 chunk-steps.
+// 31 steps 47.7 us, 25 steps 39.2; 8/16 1x2048 7 steps 13.5-14.0), ~1.5 chunk-steps. Paid by
+// every split alike, so it is part of the pipeline's price on the host (cp_pipeline_pays), not
+// of the plan's split-or-not test on the device: there, where a pack of short sequences makes
+// the model's phase-1 work meaningless (cp_steps' deferred work counts every movable CTA as
+// len1 long), 1.5 steps tipped 8/32 mix32768's second input set from a split (629 us) to none
+// (1123 us): bench/NOTES.md, step 32f.
 constexpr double kCpScanFixedSteps = 1.5;
 // The correction of the exact segments' outputs (cp_correct_kernel: a 64 x K by K x V product a
 // unit, each CTA a contiguous run of units, one CTA an SM): the scan's end to the correction's
@@ -125,7 +130,7 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
   const double p2 = exact <= 0 ? 0.0
                     : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * ceil(m / sms)
                                 : cp_waves(m + kCpFillSteps * exact + deferred, len2, sms);
-  const double scan = kCpScanFixedSteps + kCpScanSteps * (ceil(max_c / L) - 1.0);
+  const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }
 
@@ -238,7 +243,7 @@ inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double 
     n += static_cast<double>(groups[i].count);
   }
   const double split = cp_host_split_steps(groups, n_groups, hv, cand, sms, corrected);
-  return split >= 0.0 && split + kCpPipelineSteps < cp_split_bar(sum_c, max_c, n, hv, sms);
+  return split >= 0.0 && split + kCpPipelineSteps + kCpScanFixedSteps < cp_split_bar(sum_c, max_c, n, hv, sms);
 }
 
 // The fine candidate set's price: its 4x boundaries grew the pre-phase by 5-8 us (~2
