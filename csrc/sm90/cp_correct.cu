@@ -174,7 +174,7 @@ void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   // A bound on the units (the plan has the count: the exact segments' chunks, at most every
   // chunk of every split sequence and head), at most what is resident at once: each CTA takes
   // a contiguous share of the plan's count.
-  const int64_t units = c.max_slots * fp.Hv * (static_cast<int64_t>(c.min_chunks) << (c.candidates - 1));
+  const int64_t units = c.max_slots * fp.Hv * c.cand.chunks(c.cand.count - 1);
   const int64_t grid = std::min<int64_t>(units, static_cast<int64_t>(per_sm) * c.sms);
   if (grid <= 0) return;
   launch_dependent(cp_correct_kernel<kD, Tin>, dim3(static_cast<unsigned>(grid)), dim3(kCorrectThreads), bytes,

@@ -16,7 +16,7 @@
 //   scan    = kCpScanSteps (ceil(max c / L) - 1)
 // With the exact segments' outputs corrected instead of walked again (`corrected`,
 // cp_layout): no second pass, so nothing moves (D = 0) and phase 2 is the correction,
-// kCpCorrectSteps where there is an exact segment.
+// kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / sms) where there is an exact segment.
 //   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
 // plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
 #pragma once
@@ -35,14 +35,59 @@ constexpr double kCpFillSteps = 2.0;
 // cycles a scan step, ~6400 a chunk of a chain; bench/NOTES.md step 16. It was 0.75 before the
 // scan's copy warp).
 constexpr double kCpScanSteps = 0.45;
+// The scan's own start (its launch behind phase 1, the first S_end and M): phase 1's end to the
+// scan's is ~5 us + ~1.35 us a step over the CP rows' timelines (H100, 2026-11-26: 2/8 1x32768
+// 31 steps 47.7 us, 25 steps 39.2; 8/16 1x2048 7 steps 13.5-14.0), ~1.5 chunk-steps. Paid by
+// every split alike, so it is part of the pipeline's price on the host (cp_pipeline_pays), not
+// of the plan's split-or-not test on the device: there, where a pack of short sequences makes
+// the model's phase-1 work meaningless (cp_steps' deferred work counts every movable CTA as
+// len1 long), 1.5 steps tipped 8/32 mix32768's second input set from a split (629 us) to none
+// (1123 us): bench/NOTES.md, step 32f.
+constexpr double kCpScanFixedSteps = 1.5;
 // The correction of the exact segments' outputs (cp_correct_kernel: a 64 x K by K x V product a
-// chunk, all chunks at once) against a chunk-step: ~one chunk's time, a guess until measured.
-constexpr double kCpCorrectSteps = 1.0;
+// unit, each CTA a contiguous run of units, one CTA an SM): the scan's end to the correction's
+// is ~2 us + ~5.7 us per unit a CTA takes over the same timelines (8/16 1x2048, 28 units: 7.7
+// us; 2/8 1x16384 and B2x8192, ~2 a CTA: 13.4-15.0; 2/8 2x16384, ~4 a CTA: 24.7), in
+// chunk-steps kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / SMs).
+constexpr double kCpCorrectSteps = 0.5;
+constexpr double kCpCorrectUnitSteps = 1.6;
 // A split must beat no split by this factor.
 constexpr double kCpMinGain = 0.9;
 // cp.plan[kPlanChunks] when nothing splits.
 constexpr int32_t kCpNoSplit = INT32_MAX / 128;
-constexpr int kCpMaxCandidates = 6;
+constexpr int kCpMaxCandidates = 8;  // the larger of the two sets (CpCandidates)
+
+// The candidate segment lengths, over one shortest length L_min (cp_min_chunks), in one of two
+// sets. Coarse: L = L_min 2^i, i < 6, with a boundary every L_min chunks. Fine: L = L_min q / 4,
+// q = 4, 5, 6, 8, 10, 12, 16, 32 (L_min x 1 .. 8), with a boundary every grain = L_min / 4 chunks.
+// A split runs in whole waves of segment-long CTAs, and with the powers of two alone the few-head
+// long rows had a wave of phase 2 barely used (2/8 1x32768 at L = 16: 1.4 waves of 19
+// chunk-steps, so 2; at L = 20, 0.94 of a wave of 23: bench/NOTES.md, "Candidate segment
+// lengths"; measured 296 -> 255 us, step 32). The fine set's 4x boundaries cost the pre-phase
+// 5-8 us (certificate, plan), which rows where it picks a power of two anyway lost (+4-10%,
+// step 32b), so the host takes it only where it pays (cp_fine_pays). With several candidates
+// L_min is a power of two >= 4, so every L is a whole number of grains. A fixed length (the
+// caller's cp_segment) is one coarse candidate of any length.
+// Candidate i's length in grains: its segments start at every this-many-th boundary.
+FGDN_HOST_DEVICE constexpr int32_t cp_candidate_grains(int i, bool fine) {
+  return !fine ? 1 << i : i <= 2 ? 4 + i : i <= 5 ? 8 + 2 * (i - 3) : i == 6 ? 16 : 32;
+}
+constexpr int kCpCoarseCandidates = 6;
+constexpr int kCpFineCandidates = 8;
+FGDN_HOST_DEVICE constexpr int cp_candidate_count(bool fine) { return fine ? kCpFineCandidates : kCpCoarseCandidates; }
+
+struct CpCandidates {
+  int32_t min_chunks = 0;  // L_min, the first candidate
+  int count = 0;           // 1: a fixed length
+  bool fine = false;
+  FGDN_HOST_DEVICE constexpr int32_t grain() const { return fine ? min_chunks / 4 : min_chunks; }
+  FGDN_HOST_DEVICE constexpr int32_t grains(int i) const { return cp_candidate_grains(i, fine); }
+  FGDN_HOST_DEVICE constexpr int64_t chunks(int i) const { return static_cast<int64_t>(grain()) * grains(i); }
+};
+FGDN_HOST_DEVICE constexpr CpCandidates cp_candidates(int32_t min_chunks, bool fine) {
+  return {min_chunks, cp_candidate_count(fine), fine};
+}
+FGDN_HOST_DEVICE constexpr CpCandidates cp_fixed_length(int32_t chunks) { return {chunks, 1, false}; }
 
 // The plan's statistics of one candidate L, summed over its segments and heads. `movable`:
 // CTAs whose results neither the scan nor a later pass reads (unsplit sequences; middle
@@ -83,17 +128,17 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
       cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred, len1, sms);
   const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
   const double p2 = exact <= 0 ? 0.0
-                    : corrected ? kCpCorrectSteps
+                    : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * ceil(m / sms)
                                 : cp_waves(m + kCpFillSteps * exact + deferred, len2, sms);
   const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }
 
-// The cost of candidate i (L = min_chunks 2^i), or -1 where nothing splits (the plan kernel
+// The cost of candidate i (L = cand.chunks(i)), or -1 where nothing splits (the plan kernel
 // prices its candidates in parallel, a thread each).
-FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int i, int32_t min_chunks,
+FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int i, const CpCandidates& cand,
                                                   double sum_c, double max_c, double hv, int sms, bool corrected) {
-  const double L = static_cast<double>(min_chunks) * static_cast<double>(1 << i);
+  const double L = static_cast<double>(cand.chunks(i));
   return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms, corrected);
 }
 
@@ -102,32 +147,32 @@ FGDN_HOST_DEVICE inline double cp_split_bar(double sum_c, double max_c, double n
   return kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
 }
 
-// The plan's choice from the candidates' costs: the cheapest L = min_chunks 2^i that splits
+// The plan's choice from the candidates' costs: the cheapest candidate L that splits
 // something and costs under the bar (the first of equal costs); else kCpNoSplit.
-FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, int candidates, int32_t min_chunks, double bar) {
+FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, const CpCandidates& cand, double bar) {
   double best = bar;
   int32_t chosen = kCpNoSplit;
-  for (int i = 0; i < candidates; ++i) {
+  for (int i = 0; i < cand.count; ++i) {
     if (cost[i] >= 0.0 && cost[i] < best) {
       best = cost[i];
-      chosen = min_chunks << i;
+      chosen = static_cast<int32_t>(cand.chunks(i));
     }
   }
   return chosen;
 }
 
-FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, int candidates, int32_t min_chunks, double sum_c,
+FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, const CpCandidates& cand, double sum_c,
                                                double max_c, double n, double hv, int sms) {
-  return cp_pick_from(cost, candidates, min_chunks, cp_split_bar(sum_c, max_c, n, hv, sms));
+  return cp_pick_from(cost, cand, cp_split_bar(sum_c, max_c, n, hv, sms));
 }
 
-FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, int candidates, int32_t min_chunks,
+FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, const CpCandidates& cand,
                                                  double sum_c, double max_c, double n, double hv, int sms,
                                                  bool corrected) {
   double cost[kCpMaxCandidates];
-  for (int i = 0; i < candidates; ++i)
-    cost[i] = cp_candidate_steps(stats[i], i, min_chunks, sum_c, max_c, hv, sms, corrected);
-  return cp_pick_chunks(cost, candidates, min_chunks, sum_c, max_c, n, hv, sms);
+  for (int i = 0; i < cand.count; ++i)
+    cost[i] = cp_candidate_steps(stats[i], i, cand, sum_c, max_c, hv, sms, corrected);
+  return cp_pick_chunks(cost, cand, sum_c, max_c, n, hv, sms);
 }
 
 // The CP pipeline's own cost beyond kCpFixedSteps, paid whether or not the plan then splits
@@ -141,30 +186,23 @@ struct CpSeqGroup {
   int64_t chunks, count;
 };
 
-// Whether to launch the pipeline at all, decided on the host from the lengths alone (the gates
-// are on the device): each candidate L = min_chunks 2^i is priced in the case of one head per
-// split sequence taking the exact path at every boundary (its transfer matrices, scan steps and
-// second pass) and every other head certified within one chunk, and must beat no split by
-// kCpMinGain after the pipeline's own cost. Where even that case loses, the plan would split and
-// lose where a head does not decay, or decline after the pipeline had cost ~20-30 us. Pricing
-// the best case (no exact head) instead launched the pipeline in 7 of the benchmark's cells
-// where it lost 5-15% to CP off (16/64 1x4096, 8/32 and 16/32 1x2048, 4/4 B8x2048, the 8x4096
-// packs at 2/8 and 8/24, 16/48 4x8192: bench/NOTES.md step 24), where head 0 does not decay;
-// with every head decaying, those cells give up a split the model prices within ~10-20
-// chunk-steps of the bar.
-inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks,
-                             int candidates, int sms, bool corrected) {
-  double sum_c = 0.0, max_c = 0.0, n = 0.0;
+// The host's price of a split, from the lengths alone (the gates are on the device): the
+// cheapest candidate in the case of one head per split sequence taking the exact path at every
+// boundary (its transfer matrices, scan steps and second pass or correction) and every other head
+// certified within one chunk, the benchmark's gates (bench/gdnbench/inputs.py: head 0 never
+// decays); -1 where no candidate splits.
+inline double cp_host_split_steps(const CpSeqGroup* groups, int64_t n_groups, double hv, const CpCandidates& cand,
+                                  int sms, bool corrected) {
+  double sum_c = 0.0, max_c = 0.0;
   for (int64_t i = 0; i < n_groups; ++i) {
     sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
     max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
-    n += static_cast<double>(groups[i].count);
   }
-  const double bar = cp_split_bar(sum_c, max_c, n, hv, sms);
   const auto heads = static_cast<unsigned long long>(hv);
   const unsigned long long exact_heads = heads > 0 ? 1 : 0, warm_heads = heads - exact_heads;
-  for (int c = 0; c < candidates; ++c) {
-    const int64_t L = static_cast<int64_t>(min_chunks) << c;
+  double best = -1.0;
+  for (int c = 0; c < cand.count; ++c) {
+    const int64_t L = cand.chunks(c);
     CpCandidateStats st = {};
     for (int64_t i = 0; i < n_groups; ++i) {
       const int64_t chunks = groups[i].chunks;
@@ -182,10 +220,46 @@ inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double 
       st.movable += (segs - 2) * count * warm_heads;  // middle warm-up segments, none followed by an exact one
     }
     st.warm_max = st.warm_chunks > 0 ? 1 : 0;
-    const double cost = cp_candidate_steps(st, c, min_chunks, sum_c, max_c, hv, sms, corrected);
-    if (cost >= 0.0 && cost + kCpPipelineSteps < bar) return true;
+    const double cost = cp_candidate_steps(st, c, cand, sum_c, max_c, hv, sms, corrected);
+    if (cost >= 0.0 && (best < 0.0 || cost < best)) best = cost;
   }
-  return false;
+  return best;
+}
+
+// Whether to launch the pipeline at all: the host's price of a split (cp_host_split_steps) must
+// beat no split by kCpMinGain after the pipeline's own cost. Where even that case loses, the
+// plan would split and lose where a head does not decay, or decline after the pipeline had cost
+// ~20-30 us. Pricing the best case (no exact head) instead launched the pipeline in 7 of the
+// benchmark's cells where it lost 5-15% to CP off (16/64 1x4096, 8/32 and 16/32 1x2048, 4/4
+// B8x2048, the 8x4096 packs at 2/8 and 8/24, 16/48 4x8192: bench/NOTES.md step 24), where head
+// 0 does not decay; with every head decaying, those cells give up a split the model prices
+// within ~10-20 chunk-steps of the bar.
+inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, const CpCandidates& cand,
+                             int sms, bool corrected) {
+  double sum_c = 0.0, max_c = 0.0, n = 0.0;
+  for (int64_t i = 0; i < n_groups; ++i) {
+    sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
+    max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
+    n += static_cast<double>(groups[i].count);
+  }
+  const double split = cp_host_split_steps(groups, n_groups, hv, cand, sms, corrected);
+  return split >= 0.0 && split + kCpPipelineSteps + kCpScanFixedSteps < cp_split_bar(sum_c, max_c, n, hv, sms);
+}
+
+// The fine candidate set's price: its 4x boundaries grew the pre-phase by 5-8 us (~2
+// chunk-steps: the certificate's and plan's loops), and over the benchmark's CP cells the model's
+// gain from it had a spread of several percent (rows it priced 1-6% cheaper measured up to 14%
+// slower; those priced >= 9% cheaper gained 3-20%, step 32b). So the fine set must beat the
+// coarse one by kCpFineMinGain with that cost added.
+constexpr double kCpFineGrainSteps = 2.0;
+constexpr double kCpFineMinGain = 0.93;
+inline bool cp_fine_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks, int sms,
+                         bool corrected) {
+  const double fine = cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, true), sms, corrected);
+  const double coarse = cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, false), sms, corrected);
+  if (fine < 0.0) return false;
+  return coarse < 0.0 ||
+         fine + kCpPipelineSteps + kCpFineGrainSteps < kCpFineMinGain * (coarse + kCpPipelineSteps);
 }
 
 // Whether an exact segment's outputs are corrected from its start state (o = o_local +

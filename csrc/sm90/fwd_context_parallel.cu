@@ -32,32 +32,58 @@ __device__ inline int64_t seq_chunks(const cuda::SeqLayout& s, int64_t n) {
   return ceil_div(cuda::seq_info(s, n).len, 64);
 }
 
-// Boundaries of sequence n (segment starts at multiples of L_min chunks) for a sequence of c chunks.
-__device__ inline int seq_bounds(int64_t c, int64_t min_chunks) {
-  return c > min_chunks ? static_cast<int>(ceil_div(c, min_chunks) - 1) : 0;
+// Boundaries of a sequence of c chunks that splits (c > L_min): k grain for k = 1, 2, .. while
+// inside the sequence. Segments start only at k grain >= L_min; the boundaries before carry
+// the chunk sums of the windows that reach back past them (cp_certify_kernel).
+__device__ inline int seq_bounds(int64_t c, int32_t grain, int32_t min_chunks) {
+  return c > min_chunks ? static_cast<int>(ceil_div(c, static_cast<int64_t>(grain)) - 1) : 0;
+}
+
+// The tile's sequence that owns entry j of a tile-wide exclusive prefix `first` (kPlanThreads + 1
+// entries, the last the total): the last i with first[i] <= j, so first[i] <= j < first[i + 1]
+// and sequence i has at least one entry.
+__device__ inline int tile_owner(const int* first, int j) {
+  int lo = 0, hi = kPlanThreads;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (first[mid] <= j) lo = mid;
+    else hi = mid;
+  }
+  return lo;
 }
 
 // ---- boundaries ----------------------------------------------------------------------------
-// One CTA. Every sequence of more than L_min chunks gets a boundary per possible segment start
-// k L_min (k >= 1), in sequence order (an exclusive scan); every candidate L = L_min 2^i starts
-// its segments on a subset of them, so one certificate per boundary serves every candidate.
-__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t min_chunks,
+// One CTA. Every sequence of more than L_min chunks gets a boundary every grain chunks (k >= 1),
+// in sequence order (an exclusive scan); every candidate L (a multiple of the grain,
+// cp_cost_model.h) starts its segments on a subset of them, so one certificate per boundary
+// serves every candidate.
+__global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout seq, int32_t grain, int32_t min_chunks,
                                                                   int64_t max_bounds, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int base;
+  __shared__ int first[kPlanThreads + 1];  // the tile's sequences' first boundary (+ the count)
+  __shared__ int chunks[kPlanThreads];
   launch_dependents();  // the first of the pipeline: launched behind the caller's work as usual
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
   for (int64_t n0 = 0; n0 < seq.N; n0 += kPlanThreads) {
     const int64_t n = n0 + threadIdx.x;
     const int64_t c = n < seq.N ? seq_chunks(seq, n) : 0;
-    const int nb = seq_bounds(c, min_chunks);
+    const int nb = seq_bounds(c, grain, min_chunks);
     int b0, total;
     Scan(tmp).ExclusiveSum(nb, b0, total);
-    b0 += base;
-    for (int k = 1; k <= nb && b0 + k - 1 < max_bounds; ++k)
-      t.bounds[b0 + k - 1] = make_int4(static_cast<int>(n), k, static_cast<int>(c), 0);
+    first[threadIdx.x] = b0;
+    chunks[threadIdx.x] = static_cast<int>(c);
+    if (threadIdx.x == 0) first[kPlanThreads] = total;
+    __syncthreads();
+    // The tile's boundaries a thread each (one sequence's on its own thread were a chain of
+    // stores: 127 of them at 2/8 1x32768 with boundaries every 4 chunks).
+    for (int i = threadIdx.x; i < total; i += kPlanThreads) {
+      const int s = tile_owner(first, i);
+      if (base + i < max_bounds)
+        t.bounds[base + i] = make_int4(static_cast<int>(n0) + s, i - first[s] + 1, chunks[s], 0);
+    }
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
@@ -66,11 +92,14 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 }
 
 // ---- certificate -----------------------------------------------------------------------------
-// A CTA per (boundary, chunk w + 1 back from it, up to 32 value heads): the chunk's summed
-// (floored) gate of each head, or +inf where a beta lies outside [0, 2] or the keys are not
-// L2-normalised in the kernel, into t.chunk_gate. The plan walks them (cp_warm_up). One chunk a
-// CTA spreads a boundary's window over up to 16 SMs: one CTA reading the whole window (128-256 KB
-// of g and beta at 16/64) took ~10 us at ~13-30 GB/s (bench/NOTES.md, step 21).
+// A CTA per (boundary, one of the m = min(grain, window) chunks just before it, up to 32 value
+// heads): the chunk's summed (floored) gate of each head, or +inf where a beta lies outside
+// [0, 2] or the keys are not L2-normalised in the kernel, into t.chunk_gate. Each chunk a window
+// can reach is summed once: a window longer than the grain reads the sums of the boundaries
+// before its own (cp_warm_up), so windows of up to 16 chunks every grain chunks do not read the
+// same tokens several times. The plan walks them. One chunk a CTA spreads a window over up to
+// 16 SMs: one CTA reading a whole window (128-256 KB of g and beta at 16/64) took ~10 us at
+// ~13-30 GB/s (bench/NOTES.md, step 21).
 // g and beta rows are [token][head]: a warp covers hw = min(32, pow2 >= Hv) heads and 32 / hw
 // tokens at once (one coalesced row per load), 8 of the chunk's tokens a warp.
 constexpr int kCertifyThreads = 256, kCertifyWarps = kCertifyThreads / 32, kCertifyWarpTokens = 64 / kCertifyWarps;
@@ -114,13 +143,13 @@ __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, in
 }
 
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
-                                                                      CpTables t, int32_t min_chunks,
-                                                                      int32_t window) {
+                                                                      CpTables t, int32_t grain,
+                                                                      int32_t per_bound) {
   __shared__ float warp_gate[kCertifyWarps][32];  // +inf: a beta outside [0, 2]
   grid_dependency_wait();  // the boundaries
   launch_dependents();
-  const int64_t b = blockIdx.x / window;
-  const int w = static_cast<int>(blockIdx.x % window);
+  const int64_t b = blockIdx.x / per_bound;
+  const int j = static_cast<int>(blockIdx.x % per_bound);  // chunk k grain - per_bound + j
   if (b >= t.plan[kPlanBounds]) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int32_t hv = static_cast<int32_t>(p.Hv);
@@ -132,9 +161,8 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const int32_t h = static_cast<int32_t>(blockIdx.y) * 32 + hl;
   const int4 r = t.bounds[b];
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
-  // The chunk's first token: the segment starts at token k L_min 64 of the sequence, and k >= 1,
-  // w < window <= L_min keep the window inside it.
-  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * min_chunks - (w + 1)) * 64 + warp * kCertifyWarpTokens;
+  // The chunk's first token (k >= 1 and per_bound <= grain keep it inside the sequence).
+  const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * grain - per_bound + j) * 64 + warp * kCertifyWarpTokens;
   float g = 0.f;
   bool ok = p.l2norm != 0;
   if (ok && hl < heads) {
@@ -160,17 +188,24 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   if (warp != 0 || lane >= heads) return;
   float sum = 0.f;
   for (int v = 0; v < kCertifyWarps; ++v) sum += warp_gate[v][lane];  // in order: the same bits every run
-  t.chunk_gate[(b * window + w) * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = sum;
+  t.chunk_gate[(b * per_bound + j) * hv + 32 * static_cast<int32_t>(blockIdx.y) + lane] = sum;
 }
 
 // The warm-up of boundary b for head h from its window's chunk sums: W = the fewest chunks back
 // whose summed gate reaches kCertifyLogDecay with no refused beta (+inf) among them; else the
-// exact path. The window's sums are loaded together, before the walk.
-__device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t window, int32_t hv, int32_t h) {
+// exact path. The chunk w + 1 back is at (b + 1) per_bound - 1 - w in the table: in b's own
+// sums while w < per_bound, else in the boundaries' before it (per_bound = grain then), which
+// belong to the same sequence where a segment can start (k grain >= L_min >= window). For the
+// boundaries where none can (k grain < L_min), the walk may read another sequence's sums or
+// none (+inf), and its result is never used. The sums are loaded together, before the walk.
+__device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t window, int32_t per_bound,
+                                     int32_t hv, int32_t h) {
   float g[kCertifyMaxChunks];
 #pragma unroll
-  for (int w = 0; w < kCertifyMaxChunks; ++w)
-    g[w] = w < window ? chunk_gate[(b * window + w) * hv + h] : INFINITY;
+  for (int w = 0; w < kCertifyMaxChunks; ++w) {
+    const int64_t at = (b + 1) * per_bound - 1 - w;
+    g[w] = w < window && at >= 0 ? chunk_gate[at * hv + h] : INFINITY;
+  }
   float decay = 0.f;
 #pragma unroll
   for (int w = 0; w < kCertifyMaxChunks; ++w) {
@@ -182,24 +217,32 @@ __device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t
 }
 
 // ---- plan statistics (the cost model is cp_cost_model.h) ------------------------------------
+// Per candidate set (a template argument of the plan kernel, so that the coarse set's loops are
+// those of 6 power-of-two lengths, as before the fine set existed: bench/NOTES.md, step 32c).
+template <bool kFine>
 struct PlanStats {
+  static constexpr int kCandidates = cp_candidate_count(kFine);
+  static constexpr int kFields = 2 + 6 * kCandidates;
   unsigned long long sum_c, max_c;
-  CpCandidateStats cand[kCpMaxCandidates];
+  CpCandidateStats cand[kCandidates];
 };
 
 // Block-wide reduction of every PlanStats field (sums; maxima for max_c and warm_max), integers
 // so the order does not matter: each warp's values by shuffles, then thread f over the warps'
 // partials of field f. (A block-wide atomic round per field, 38 of them, took ~12000 of the
 // plan's ~40000 cycles: bench/NOTES.md, step 12.)
-constexpr int kStatFields = sizeof(PlanStats) / sizeof(unsigned long long);
 static_assert(sizeof(CpCandidateStats) == 6 * sizeof(unsigned long long) &&
-                  offsetof(PlanStats, cand) == 2 * sizeof(unsigned long long) &&
+                  offsetof(PlanStats<false>, cand) == 2 * sizeof(unsigned long long) &&
+                  offsetof(PlanStats<true>, cand) == 2 * sizeof(unsigned long long) &&
+                  sizeof(PlanStats<true>) == PlanStats<true>::kFields * sizeof(unsigned long long) &&
                   offsetof(CpCandidateStats, warm_max) == 4 * sizeof(unsigned long long),
               "stat_is_max assumes this layout");
 __device__ __forceinline__ bool stat_is_max(int f) { return f == 1 || (f >= 2 && (f - 2) % 6 == 4); }
 
-__device__ inline void block_reduce_stats(const PlanStats& own, PlanStats& all,
-                                          unsigned long long (*partial)[kStatFields]) {
+template <class Stats>
+__device__ inline void block_reduce_stats(const Stats& own, Stats& all,
+                                          unsigned long long (*partial)[Stats::kFields]) {
+  constexpr int kStatFields = Stats::kFields;
   const auto* x = reinterpret_cast<const unsigned long long*>(&own);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
@@ -309,21 +352,25 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 }
 
 // One CTA. Pass 0: every (boundary, head)'s warm-up from the certificate's chunk sums
-// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = L_min 2^i the cost model's inputs,
-// from the sequence lengths and the warm-ups of the boundaries it starts segments on (k a
-// multiple of 2^i); then the cheapest L (cp_cost_model.h). Pass 2: the items (one per unsplit
-// sequence or segment), longest first, and the slots (segments of split sequences), in sequence
-// order by block-wide exclusive scans. Pass 3: each slot's warm-up from its boundary's, and
-// where the exact segments are corrected, their list (t.exact). Pass 4: what phase 2 takes.
-__global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
-                                                                int32_t corrected, int32_t min_chunks,
-                                                                int32_t candidates,
+// (cp_warm_up). Pass 1 (unless L is fixed): per candidate L = q grains (CpCandidates) the cost
+// model's inputs, from the sequence lengths and the warm-ups of the boundaries it starts
+// segments on (k a multiple of q); then the cheapest L (cp_cost_model.h). Pass 2: the items
+// (one per unsplit sequence or segment), longest first, and the slots (segments of split
+// sequences), in sequence order by block-wide exclusive scans. Pass 3: each slot's warm-up from
+// its boundary's, and where the exact segments are corrected, their list (t.exact). Pass 4:
+// what phase 2 takes.
+// One CTA on the GPU: `1` lets the fine set's unrolled statistics take 147 registers (ptxas
+// capped them at 128 with a 40-byte stack otherwise).
+template <bool kFine>
+__global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
+                                                                int32_t corrected, CpCandidates cand,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
+  using Stats = PlanStats<kFine>;
   __shared__ union {
     typename Scan::TempStorage scan[4];  // pass 2's four scans, no barrier between them
-    PlanStats stats;
+    Stats stats;
   } tmp;
   __shared__ int chosen;
   __shared__ int base[4];
@@ -334,30 +381,34 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
   grid_dependency_wait();  // the certificates
   launch_dependents();
   const int64_t N = seq.N;
+  const int32_t min_chunks = cand.min_chunks, grain = cand.grain();
+  const int32_t per_bound = min(grain, window);  // chunk sums a boundary holds (cp_certify_kernel)
 
   // Pass 0 (the boundaries' loads fly with the chunk sums').
   const int32_t n_bounds = t.plan[kPlanBounds];
   if (staged)
     for (int32_t i = threadIdx.x; i < n_bounds; i += kPlanThreads) v.bounds[i] = t.bounds[i];
   for (EntryWalk w(hv); w.row < n_bounds; w.next())
-    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, hv, w.h);
+    v.bound_warm[w.entry()] = cp_warm_up(t.chunk_gate, w.row, window, per_bound, hv, w.h);
   __syncthreads();
 
-  if (candidates == 1) {
+  if (cand.count == 1) {
     if (threadIdx.x == 0) chosen = min_chunks;
   } else {
-    PlanStats own = {};
+    Stats own = {};
     // Per sequence: chunks and items.
     for (int64_t n = threadIdx.x; n < N; n += kPlanThreads) {
       const unsigned long long c = static_cast<unsigned long long>(seq_chunks(seq, n));
       own.sum_c += c;
       own.max_c = c > own.max_c ? c : own.max_c;
+      // 32-bit divisions (a 64-bit one is ~70 instructions): a sequence's chunk count fits 32
+      // bits (the boundaries' table holds it as an int).
+      const uint32_t c32 = static_cast<uint32_t>(c);
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {  // L = 2^lg: L_min is a power of two (cp_min_chunks)
-        const int lg = __ffs(min_chunks) - 1 + i;
-        const unsigned long long L = 1ull << lg;
-        own.cand[i].items += c > L ? (c + L - 1) >> lg : 1;
-        own.cand[i].movable += c > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
+      for (int i = 0; i < Stats::kCandidates; ++i) {
+        const uint32_t L = static_cast<uint32_t>(grain * cp_candidate_grains(i, kFine));
+        own.cand[i].items += c32 > L ? (c32 + L - 1) / L : 1u;
+        own.cand[i].movable += c32 > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
       }
     }
     // Per (boundary, head): the segments' certificates.
@@ -366,11 +417,13 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
       const int4 r = v.bounds[w.row];
       const int32_t warm = v.bound_warm[e];
 #pragma unroll
-      for (int i = 0; i < kCpMaxCandidates; ++i) {
-        if ((r.y & ((1 << i) - 1)) != 0) continue;  // not a segment start of L_min 2^i
+      for (int i = 0; i < Stats::kCandidates; ++i) {
+        // Candidate i's segments start at k = q, 2 q, .. (a constant per unrolled i).
+        const int32_t q = cp_candidate_grains(i, kFine);
+        if (r.y % q != 0) continue;
         CpCandidateStats& cs = own.cand[i];
-        const long long L = static_cast<long long>(min_chunks) << i;
-        const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * min_chunks;
+        const long long L = static_cast<long long>(grain) * q;
+        const long long rest = static_cast<long long>(r.z) - static_cast<long long>(r.y) * grain;
         if (warm == kExactSegment) {
           cs.exact += 1;
           cs.exact_chunks += static_cast<unsigned long long>(rest < L ? rest : L);
@@ -378,25 +431,25 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
           cs.warm_chunks += static_cast<unsigned long long>(warm);
           cs.warm_max = max(cs.warm_max, static_cast<unsigned long long>(warm));
           // A middle segment not followed by an exact one is movable (cp_movable).
-          if (rest > L && v.bound_warm[e + (static_cast<int64_t>(1) << i) * hv] != kExactSegment) cs.movable += 1;
+          if (rest > L && v.bound_warm[e + static_cast<int64_t>(q) * hv] != kExactSegment) cs.movable += 1;
         }
       }
     }
-    __shared__ unsigned long long partial[kPlanThreads / 32][kStatFields];
+    __shared__ unsigned long long partial[kPlanThreads / 32][Stats::kFields];
     __shared__ double cost[kCpMaxCandidates + 1];
-    PlanStats& all = tmp.stats;
+    Stats& all = tmp.stats;
     block_reduce_stats(own, all, partial);
     // The candidates priced a thread each (the cost model's integer divisions and waves in
     // double precision cost ~900 cycles a candidate), the no-split bar by one more, then the pick.
     const double sum_c = static_cast<double>(all.sum_c), max_c = static_cast<double>(all.max_c);
-    if (threadIdx.x < candidates) {
+    if (threadIdx.x < cand.count) {
       const int i = static_cast<int>(threadIdx.x);
-      cost[i] = cp_candidate_steps(all.cand[i], i, min_chunks, sum_c, max_c, hv, sms, corrected != 0);
-    } else if (threadIdx.x == candidates) {
+      cost[i] = cp_candidate_steps(all.cand[i], i, cand, sum_c, max_c, hv, sms, corrected != 0);
+    } else if (threadIdx.x == cand.count) {
       cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms);
     }
     __syncthreads();
-    if (threadIdx.x == 0) chosen = cp_pick_from(cost, candidates, min_chunks, cost[kCpMaxCandidates]);
+    if (threadIdx.x == 0) chosen = cp_pick_from(cost, cand, cost[kCpMaxCandidates]);
   }
   if (threadIdx.x == 0) base[0] = base[1] = base[2] = base[3] = exact_count = 0;
   __syncthreads();
@@ -446,7 +499,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     Scan(tmp.scan[0]).ExclusiveSum(nseg, item0, items);  // the count (positions: the buckets)
     Scan(tmp.scan[1]).ExclusiveSum(split ? nseg : 0, slot0, slots);
     Scan(tmp.scan[2]).ExclusiveSum(split ? 1 : 0, split0, splits);
-    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, min_chunks), bound0, bounds);  // as cp_bounds_kernel
+    Scan(tmp.scan[3]).ExclusiveSum(seq_bounds(c, grain, min_chunks), bound0, bounds);  // as cp_bounds_kernel
     slot0 += base[1];
     split0 += base[2];
     bound0 += base[3];
@@ -466,12 +519,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     // of ~250 cycles a segment: bench/NOTES.md, step 21): segment j belongs to the tile's
     // sequence i with seg_first[i] <= j < seg_first[i + 1] (every sequence has a segment).
     for (int j = threadIdx.x; j < items; j += kPlanThreads) {
-      int lo = 0, hi = kPlanThreads;
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (seg_first[mid] <= j) lo = mid;
-        else hi = mid;
-      }
+      const int lo = tile_owner(seg_first, j);
       const int s = j - seg_first[lo], nsegs = seg_first[lo + 1] - seg_first[lo];
       const int4 where = seg_of[lo];
       const int seq_n = static_cast<int>(n0) + lo;
@@ -497,9 +545,10 @@ __global__ void __launch_bounds__(kPlanThreads) cp_plan_kernel(cuda::SeqLayout s
     __syncthreads();
   }
   const int32_t n_slots = static_cast<int32_t>(min(static_cast<int64_t>(base[1]), max_slots));
-  // Pass 3: segment s of a split sequence starts at its boundary k = s L / L_min (the slots'
-  // writes above are visible to the block after the barrier).
-  const int32_t stride = static_cast<int32_t>(L / min_chunks);
+  // Pass 3: segment s of a split sequence starts at its boundary k = s L / grain, entry k - 1 of
+  // the sequence's boundaries (the slots' writes above are visible to the block after the
+  // barrier).
+  const int32_t stride = static_cast<int32_t>(L / grain);
   for (EntryWalk w(hv); w.row < n_slots; w.next()) {
     const int64_t e = w.entry();
     const int4 u = v.slots[w.row];
@@ -818,30 +867,31 @@ CpLayout cp_layout(const Problem& p, int sms) {
   const int64_t longest = ceil_div(p.T, 64);  // varlen: T is the packed total
   const int64_t balanced = ceil_div(p.Hv * sum_c, sms);
   if (p.cp_segment > 0) {
-    c.min_chunks = static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, kCpNoSplit));
-    c.candidates = 1;
+    c.cand = cp_fixed_length(static_cast<int32_t>(std::min<int64_t>(p.cp_segment / 64, kCpNoSplit)));
   } else {
     // Candidates from a quarter of the balanced load up (shorter segments cannot pay for their
     // joins).
-    c.min_chunks = cp_min_chunks(balanced);
-    c.candidates = kCpMaxCandidates;
+    c.cand = cp_candidates(cp_min_chunks(balanced), true);  // the set: below, from the lengths
   }
-  const bool worth = longest >= 2 * balanced && longest > c.min_chunks;
+  const bool worth = longest >= 2 * balanced && longest > c.cand.min_chunks;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && !worth) return c;
   const int64_t C = ceil_div(p.T, 64);
-  const int64_t L = c.min_chunks;
+  const int64_t L = c.cand.min_chunks;
   // Items: ceil(c_n / L) <= c_n / L + 1 per sequence. Slots: split sequences have c_n > L, so
-  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Boundaries:
-  // ceil(c_n / L) - 1 <= floor(c_n / L) per sequence.
+  // sum ceil(c_n / L) < 2 sum c_n / L (dense: exactly B ceil(C / L) when C > L). Every
+  // candidate is at least L_min = L long, so these bounds hold for the plan's choice.
   const int64_t max_slots = p.varlen ? 2 * ceil_div(sum_c, L) : (C > L ? p.B * ceil_div(C, L) : 0);
   const size_t state_bytes = static_cast<size_t>(max_slots) * p.Hv * p.K * p.K * sizeof(float);
-  const bool corrected = max_slots > 0 && cp_corrects(c.min_chunks, p.K, p.varlen,
+  const bool corrected = max_slots > 0 && cp_corrects(c.cand.min_chunks, p.K, p.varlen,
                                                       p.precision == FGDN_PRECISION_HIGH, p.checkpoint_every > 0);
   // With the sequences' lengths on the host (dense: from the shapes; varlen: in a call, not in a
-  // workspace query, which sizes for the pipeline), no pipeline where a split with one exact
-  // head per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture
-  // this is decided from the capture's lengths.
-  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && (!p.varlen || p.have_host_seqlens)) {
+  // workspace query, which sizes for the pipeline), the candidate set (the fine one only where
+  // it pays for its boundaries, cp_fine_pays), and no pipeline where a split with one exact head
+  // per split sequence would not pay for it (cp_pipeline_pays). Under CUDA graph capture this is
+  // decided from the capture's lengths. Without them the set stays the fine one, whose tables
+  // bound the coarse one's (boundaries every L_min / 4 chunks, each with up to L_min / 4 sums).
+  const bool auto_cp = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO;
+  if ((!p.varlen || p.have_host_seqlens) && (auto_cp || c.cand.count > 1)) {
     std::vector<CpSeqGroup> groups;
     if (!p.varlen) {
       groups.push_back({C, p.B});
@@ -849,16 +899,22 @@ CpLayout cp_layout(const Problem& p, int sms) {
       groups.reserve(static_cast<size_t>(p.N));
       for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
     }
-    if (!cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(p.Hv),
-                           c.min_chunks, c.candidates, sms, corrected))
-      return c;
+    const int64_t n_groups = static_cast<int64_t>(groups.size());
+    const auto hv = static_cast<double>(p.Hv);
+    if (c.cand.count > 1)
+      c.cand = cp_candidates(c.cand.min_chunks, cp_fine_pays(groups.data(), n_groups, hv, c.cand.min_chunks, sms,
+                                                             corrected));
+    if (auto_cp && !cp_pipeline_pays(groups.data(), n_groups, hv, c.cand, sms, corrected)) return c;
   }
   c.enabled = true;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
-  c.max_bounds = p.varlen ? sum_c / L : (C > L ? p.B * (ceil_div(C, L) - 1) : 0);
+  c.grain = c.cand.grain();
+  c.per_bound = std::min(c.grain, c.window);
+  // Boundaries: ceil(c_n / grain) - 1 <= floor(c_n / grain) per sequence longer than L.
+  c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - 1) : 0);
   c.state_bytes = state_bytes;
   c.corrected = corrected;
   c.corr_bytes = corrected ? static_cast<size_t>(p.B * p.T) * p.Hv * p.K * 2 : 0;  // q~ in q's 16-bit dtype
@@ -866,15 +922,15 @@ CpLayout cp_layout(const Problem& p, int sms) {
 }
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.min_chunks, c.max_bounds, t);
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.cand.min_chunks, c.max_bounds, t);
   FGDN_CHECK_LAUNCH("cp_bounds_kernel");
 }
 
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
   if (c.max_bounds == 0) return;
-  const dim3 grid(static_cast<unsigned>(c.max_bounds * c.window), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
+  const dim3 grid(static_cast<unsigned>(c.max_bounds * c.per_bound), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
   launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
-                   c.min_chunks, c.window);
+                   c.grain, c.per_bound);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
@@ -884,12 +940,13 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   stage.slots = c.max_slots;
   stage.bound_warm = c.max_bounds * fp.Hv;
   stage.warm = c.max_slots * fp.Hv;
-  FGDN_CUDA_CHECK(cudaFuncSetAttribute(cp_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // The fixed length (one candidate) takes the coarse instantiation: its pass 1 does not run.
+  const auto kernel = c.cand.fine ? cp_plan_kernel<true> : cp_plan_kernel<false>;
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
-  launch_dependent(cp_plan_kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream,
-                   "cp_plan_kernel", fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0,
-                   c.min_chunks, c.candidates,
-                   c.window, c.max_items, c.max_slots, c.max_splits, stage, t);
+  launch_dependent(kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream, "cp_plan_kernel",
+                   fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.cand, c.window, c.max_items,
+                   c.max_slots, c.max_splits, stage, t);
 }
 
 template <int kD>

@@ -4,8 +4,9 @@
 // model and the measurements; this header is the contract between the host and the kernels.
 //
 // Launches, all on the caller's stream (no host synchronisation; capturable in a CUDA graph):
-//   1. bounds   (one CTA): every possible segment start, at multiples of the shortest candidate
-//               segment length L_min, of the sequences long enough to split;
+//   1. bounds   (one CTA): every possible segment start of the sequences long enough to split,
+//               at multiples of the grain (L_min / 4 for the fine candidate set, else the
+//               shortest candidate segment length L_min; segments start from L_min on);
 //   2. certify  (a CTA per boundary, chunk of its window and 32 value heads): each chunk's
 //               summed gate per head (or a refusal), from which the plan decides, per (sequence,
 //               head, boundary), between a warm-up start (W chunks early, from zero) and the
@@ -24,7 +25,7 @@
 // Where CpLayout::corrected, phase 1's two walks of an exact segment also write their outputs
 // (the N walk o_local into o, the M walk q~ = scale M_t^T q_t into cp.corr), and instead of
 // walking the segment again,
-//   5b. correct (a CTA per exact segment, head and chunk): o_t = o_local_t + S_start^T q~_t,
+//   5b. correct (a unit per exact segment, head and chunk): o_t = o_local_t + S_start^T q~_t,
 //               with S_start the scanned state at the segment's start; all chunks at once;
 // phase 2 then runs nothing of the exact segments, and the plan defers nothing to it.
 #pragma once
@@ -35,6 +36,7 @@
 #include <cstdint>
 
 #include "common/problem.h"
+#include "sm90/cp_cost_model.h"
 #include "sm90/fwd_params.h"
 
 namespace flashgdn::sm90 {
@@ -73,8 +75,9 @@ constexpr int32_t kCertifyMaxChunks = 16;
 struct CpLayout {
   bool enabled = false;
   int32_t sms = 0;
-  int32_t min_chunks = 0;  // candidates L = min_chunks << i, i < candidates (one when fixed)
-  int32_t candidates = 0;
+  CpCandidates cand;       // the segment lengths the plan chooses from (one when fixed)
+  int32_t grain = 0;        // boundaries every `grain` chunks (cand.grain()); segments start from L_min on
+  int32_t per_bound = 0;    // chunk sums a boundary holds: min(grain, window)
   int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
@@ -95,8 +98,8 @@ struct CpTables {
   int4* slots;       // per slot {n, seg, nseg, the sequence's first boundary}
   int4* splits;      // per split sequence {n, first slot, segments, 0}
   int32_t* warm;     // [slot x Hv]: the slot's warm-up chunks or kExactSegment
-  int4* bounds;      // per boundary {n, k (start chunk / L_min), chunks of n, 0}
-  float* chunk_gate;    // [boundary x window chunk x Hv]: the chunk's summed gate, +inf: refused
+  int4* bounds;      // per boundary {n, k (start chunk / grain), chunks of n, 0}
+  float* chunk_gate;    // [boundary x per_bound chunk x Hv]: the chunk's summed gate, +inf: refused
   int32_t* bound_warm;  // [boundary x Hv]: the warm-up chunks or kExactSegment (where the plan
                         // does not keep them in shared memory)
   int4* exact;          // where corrected: the exact segments {slot Hv + h, n, seg, 0}, in no

@@ -66,7 +66,7 @@ Workspace plan(const Problem& p, const fgdn_fwd_args& a) {
     w.cp_splits = take(static_cast<size_t>(c.max_splits) * sizeof(int4));
     w.cp_warm = take(static_cast<size_t>(c.max_slots) * p.Hv * sizeof(int32_t));
     w.cp_bounds = take(static_cast<size_t>(c.max_bounds) * sizeof(int4));
-    w.cp_chunk_gate = take(static_cast<size_t>(c.max_bounds) * c.window * p.Hv * sizeof(float));
+    w.cp_chunk_gate = take(static_cast<size_t>(c.max_bounds) * c.per_bound * p.Hv * sizeof(float));
     w.cp_bound_warm = take(static_cast<size_t>(c.max_bounds) * p.Hv * sizeof(int32_t));
     w.cp_ends = take(c.state_bytes);
     w.cp_trans = take(c.state_bytes);

@@ -25,8 +25,16 @@ struct Shape {
 
 struct Choice {
   int32_t min_chunks, chunks;
+  bool fine;
   double cost, unsplit;
 };
+
+// The sequences as the host groups them (cp_layout: one group a sequence).
+std::vector<CpSeqGroup> groups_of(const std::vector<int64_t>& tokens) {
+  std::vector<CpSeqGroup> groups;
+  for (int64_t t : tokens) groups.push_back({(t + 63) / 64, 1});
+  return groups;
+}
 
 Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   const int64_t hv = static_cast<int64_t>(s.warm.size());
@@ -39,9 +47,13 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   }
   Choice r{};
   r.min_chunks = cp_min_chunks((hv * sum_c + sms - 1) / sms);
+  const std::vector<CpSeqGroup> groups = groups_of(s.tokens);
+  r.fine = cp_fine_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), r.min_chunks,
+                        sms, corrected);
+  const CpCandidates cand = cp_candidates(r.min_chunks, r.fine);
   CpCandidateStats st[kCpMaxCandidates] = {};
-  for (int i = 0; i < kCpMaxCandidates; ++i) {
-    const int64_t L = static_cast<int64_t>(r.min_chunks) << i;
+  for (int i = 0; i < cand.count; ++i) {
+    const int64_t L = cand.chunks(i);
     for (int64_t cn : c) {
       st[i].items += cn > L ? (cn + L - 1) / L : 1;
       if (cn <= L) st[i].movable += static_cast<unsigned long long>(hv);  // unsplit
@@ -59,12 +71,12 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
     }
   }
   const double n = static_cast<double>(c.size());
-  r.chunks = cp_choose_chunks(st, kCpMaxCandidates, r.min_chunks, double(sum_c), double(max_c), n, double(hv), sms,
-                              corrected);
+  r.chunks = cp_choose_chunks(st, cand, double(sum_c), double(max_c), n, double(hv), sms, corrected);
   r.unsplit = cp_unsplit_steps(double(sum_c), double(max_c), n, double(hv), sms);
+  int chosen = 0;
+  while (chosen + 1 < cand.count && cand.chunks(chosen) != r.chunks) ++chosen;
   r.cost = r.chunks == kCpNoSplit ? r.unsplit
-                                  : cp_steps(st[__builtin_ctz(static_cast<unsigned>(r.chunks / r.min_chunks))],
-                                             double(sum_c), double(max_c), double(r.chunks), double(hv), sms,
+                                  : cp_steps(st[chosen], double(sum_c), double(max_c), double(r.chunks), double(hv), sms,
                                              corrected);
   return r;
 }
@@ -87,30 +99,31 @@ TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
   EXPECT_EQ(r.min_chunks, 64);
   EXPECT_EQ(r.chunks, 64);
   EXPECT_NEAR(r.cost / r.unsplit, 0.531, 0.005);
-  // 2/8 1x32768: L_min = 16; 32 segments. (Step 4: 2.50 -> 0.531 ms, 0.21; model then 0.20.
-  // Step 5b: 2.37 -> 0.424 ms, 0.18.)
+  // 2/8 1x32768: L_min = 16. With L = 16 (32 segments) phase 2 needed 1.4 waves, so 2 (the
+  // model 0.142; step 4: 2.50 -> 0.531 ms, 0.21; step 5b: 2.37 -> 0.424 ms, 0.18); L = 20 (26
+  // segments, a candidate since step 32) fills one wave in each phase: 0.115, to be measured
+  // (bench/NOTES.md, "Candidate segment lengths").
   r = plan({{32768}, bench_gates(8)});
   EXPECT_EQ(r.min_chunks, 16);
-  EXPECT_EQ(r.chunks, 16);
-  EXPECT_NEAR(r.cost / r.unsplit, 0.142, 0.005);
-  // 8/32 1x32768: L = 32; 542 CTAs need 5 waves with or without the move.
-  // (Step 4: 2.56 -> 1.01 ms, 0.40; model then 0.36.)
+  EXPECT_EQ(r.chunks, 20);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.115, 0.005);
+  // 8/32 1x32768: L_min = 32; with L = 32, 542 CTAs needed 5 waves with or without the move
+  // (model 0.357; step 4: 2.56 -> 1.01 ms, 0.40); L = 48 (step 32): 0.310, to be measured.
   r = plan({{32768}, bench_gates(32)});
-  EXPECT_EQ(r.chunks, 32);
-  EXPECT_NEAR(r.cost / r.unsplit, 0.357, 0.005);
+  EXPECT_EQ(r.chunks, 48);
+  EXPECT_NEAR(r.cost / r.unsplit, 0.310, 0.005);
 }
 
 // The host's test before any pipeline launch (cp_pipeline_pays), with L_min and the correction
 // of exact segments (cp_corrects, K = V = 128, `fast`) as cp_layout takes them: from the
 // balanced load over the chunk slots (varlen: a bound, ceil(T / 64) + N).
 struct HostChoice {
-  bool runs, corrected;
+  bool runs, corrected, fine;
 };
 HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
-  std::vector<CpSeqGroup> groups;
+  const std::vector<CpSeqGroup> groups = groups_of(tokens);
   int64_t total = 0, slots = 0, longest = 0;
   for (int64_t t : tokens) {
-    groups.push_back({(t + 63) / 64, 1});
     total += t;
     slots += (t + 63) / 64;
     longest = std::max(longest, t);
@@ -120,9 +133,11 @@ HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool va
   const int64_t C = (longest + 63) / 64;
   const bool splits = varlen || C > min_chunks;  // dense: max_slots > 0
   const bool corrected = splits && cp_corrects(min_chunks, 128, varlen, false, false);
-  return {cp_pipeline_pays(groups.data(), static_cast<int64_t>(groups.size()), static_cast<double>(hv), min_chunks,
-                           kCpMaxCandidates, kH100Sms, corrected),
-          corrected};
+  const auto n = static_cast<int64_t>(groups.size());
+  const bool fine = cp_fine_pays(groups.data(), n, static_cast<double>(hv), min_chunks, kH100Sms, corrected);
+  return {cp_pipeline_pays(groups.data(), n, static_cast<double>(hv), cp_candidates(min_chunks, fine), kH100Sms,
+                           corrected),
+          corrected, fine};
 }
 
 TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
@@ -144,8 +159,6 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
       // ... and, priced with one exact head (step 24), where it ran and lost with head 0 not
       // decaying (graph replays, us, at 97f1599 or 0da658b; 2/8 8x4096 in ms at step 17):
       {"16/64 1x4096 (254 / 225)", {4096}, 64, false, false},
-      {"4/4 B8x2048 (138 / 118)", std::vector<int64_t>(8, 2048), 4, false, false},
-      {"2/8 8x4096 varlen (0.273 / 0.230)", std::vector<int64_t>(8, 4096), 8, true, false},
       {"8/24 8x4096 varlen (518 / 466)", std::vector<int64_t>(8, 4096), 24, true, false},
       {"16/48 4x8192 varlen (951 / 905)", std::vector<int64_t>(4, 8192), 48, true, false},
       // It won (step 17, ms):
@@ -160,6 +173,13 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
       // run at 8166fd8; walked again, it was 125 / 117 and 115 / 117):
       {"16/32 1x2048, corrected (102 / 119)", {2048}, 32, false, true},
       {"8/32 1x2048, corrected (100 / 116)", {2048}, 32, false, true},
+      // Lost at the power-of-two candidates (138 / 118 us and 0.273 / 0.230 ms, walked again);
+      // with the lengths between them and the correction priced at one chunk-step, the model
+      // ran 4/4 B8x2048, and it lost again (step 32, graph replays: 126.6 / 116.2 us): the scan
+      // and the correction took ~24 and ~15 us. Priced as measured (kCpScanFixedSteps,
+      // kCpCorrectUnitSteps), neither runs.
+      {"4/4 B8x2048 (126.6 / 116.2 at step 32)", std::vector<int64_t>(8, 2048), 4, false, false},
+      {"2/8 8x4096 varlen (0.273 / 0.230 at L = 16)", std::vector<int64_t>(8, 4096), 8, true, false},
   };
   for (const Case& c : cases) {
     const HostChoice h = pipeline_pays(c.tokens, c.hv, c.varlen);
@@ -237,3 +257,53 @@ TEST(CpCostModel, MinChunksIsAPowerOfTwoAboveAQuarterOfTheBalancedLoad) {
 }
 
 }  // namespace
+
+TEST(CpCostModel, CandidatesAreWholeGrainsFromLMinUp) {
+  // Fine: L = L_min q / 4 over boundaries every grain = L_min / 4 chunks; coarse: L = L_min 2^i
+  // over boundaries every L_min. Segments start from L_min on, so every candidate's segment
+  // starts (multiples of L) are boundaries.
+  for (bool fine : {true, false})
+    for (int32_t lmin : {4, 8, 16, 64, 1024}) {
+      const CpCandidates cand = cp_candidates(lmin, fine);
+      EXPECT_EQ(cand.count, fine ? 8 : 6);
+      EXPECT_LE(cand.count, kCpMaxCandidates);
+      EXPECT_EQ((fine ? 4 : 1) * cand.grain(), lmin);
+      int64_t prev = 0;
+      for (int i = 0; i < cand.count; ++i) {
+        const int64_t L = cand.chunks(i);
+        EXPECT_EQ(L, static_cast<int64_t>(cand.grain()) * cand.grains(i)) << lmin << " " << i;
+        EXPECT_GT(L, prev) << lmin << " " << i;  // increasing: the first of equal costs is the shortest
+        prev = L;
+      }
+      EXPECT_EQ(cand.chunks(0), lmin);
+      EXPECT_EQ(cand.chunks(cand.count - 1), (fine ? 8 : 32) * static_cast<int64_t>(lmin));
+    }
+  // A fixed segment length: one candidate of any length, a boundary every L.
+  const CpCandidates fixed = cp_fixed_length(3);
+  EXPECT_EQ(fixed.count, 1);
+  EXPECT_EQ(fixed.grain(), 3);
+  EXPECT_EQ(fixed.chunks(0), 3);
+}
+
+TEST(CpCostModel, TheFineSetOnlyWhereItPaysForItsBoundaries) {
+  // Step 32b (bench/NOTES.md; the all-flashgdn matrix against main, H100): the fine set gained
+  // 13-20% where the model priced it >= 9% under the coarse one, and lost 4-10% (its larger
+  // pre-phase) where the model's pick was a power of two anyway.
+  struct Case {
+    const char* cell;
+    std::vector<int64_t> tokens;
+    int64_t hv;
+    bool varlen, fine;
+  };
+  const std::vector<Case> cases = {
+      {"2/8 1x32768 (L 16 -> 20: 296 -> 257 us)", {32768}, 8, false, true},
+      {"8/16 1x16384 (L 16 -> 20: 273 -> 232 us)", {16384}, 16, false, true},
+      {"2/8 2x16384 varlen (L 16 -> 40: 303 -> 241 us)", {16384, 16384}, 8, true, true},
+      {"8/32 1x32768 (L 32 -> 48: 8.7% faster)", {32768}, 32, false, true},
+      {"8/16 1x2048 (L 4 both: 94 -> 101 us)", {2048}, 16, false, false},
+      {"16/64 1x32768 (L 64 both)", {32768}, 64, false, false},
+      {"16/32 1x4096 (L 16 both: 125 -> 133 us)", {4096}, 32, false, false},
+      {"4/4 B2x8192 (priced 9.5% under: 0.9% slower)", {8192, 8192}, 4, false, false},
+  };
+  for (const Case& c : cases) EXPECT_EQ(pipeline_pays(c.tokens, c.hv, c.varlen).fine, c.fine) << c.cell;
+}

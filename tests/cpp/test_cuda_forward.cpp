@@ -237,8 +237,14 @@ std::vector<ft::Spec> cp_cases() {
     s.checkpoint_every = 64;
     add(s, 128);
   }
-  // The plan kernel's cost model picks the segment length (few chains: it splits).
+  // The plan kernel's cost model picks the segment length (few chains: it splits), from the
+  // coarse set here (the host's lengths: cp_fine_pays; the fine set runs in
+  // ContextParallelFineSetWithoutHostSeqlens below).
   ft::Spec s = with_h0(dense_d("cp_auto_bf16_T4096_Hv2_D128", 1, 4096, 1, 2, 128));
+  s.l2norm = true;
+  add(s, 0);
+  // The same in a varlen pack: a one-token and a short sequence unsplit beside long ones.
+  s = with_h0(varlen_d("cp_auto_varlen_bf16_Hv2_D128", {0, 1, 3001, 3101, 3801}, 1, 2, 128));
   s.l2norm = true;
   add(s, 0);
   // The correction of exact segments (cp_correct.cu) at fp16 and at D = 64, and with the gate in
@@ -285,6 +291,18 @@ TEST(CudaForward, ContextParallelOnMatchesOff) {
   EXPECT_LE(ft::rel_l2(o[1], o[0]), ft::kCudaFwdTol);
   EXPECT_LE(ft::rel_l2(ht[1], ht[0]), ft::kCudaFwdTol);
   EXPECT_NE(o[0], o[1]) << "CP on gave the same bits as off: it did not split";
+}
+
+// The fine candidate set (boundaries every L_min / 4 chunks, a window reading the sums of the
+// boundaries before its own): what a varlen call runs when the host has no lengths to choose the
+// set from (cp_layout). Each sequence's boundaries start at its own first grain.
+TEST(CudaForward, ContextParallelFineSetWithoutHostSeqlens) {
+  if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  ft::Spec s = with_h0(varlen_d("cp_fine_varlen_device_only", {0, 1, 3001, 3101, 3801, 6001}, 1, 2, 128));
+  s.l2norm = true;
+  s.context_parallel = FGDN_CONTEXT_PARALLEL_ON;
+  s.seed = 7200;
+  run_and_check(s, /*pass_host_seqlens=*/false);
 }
 
 // cu_seqlens read back from the device (no host copy given).
