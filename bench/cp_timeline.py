@@ -11,6 +11,10 @@ without decay).
         each cell's replay time with CP automatic, then with CP on at each fixed segment length
         (cp_segment = 64 L tokens): which L the cost model should pick.
 
+    --seed N: the benchmark's input set N (it rotates sets 0, 1, .., two for the largest cells;
+        the plan's choice follows the gates, and at step 32e 8/32 mix32768 declined to split with
+        set 1 only: bench/NOTES.md).
+
 Times are medians of five runs of 20 replays (CUDA events). bench/NOTES.md has the readings.
 """
 import argparse
@@ -27,10 +31,13 @@ LAYOUTS = {layout.name: layout for layout in FWD_LAYOUTS}
 KERNELS = ("bounds", "certify", "plan", "scan", "correct", "pack_rows", "checkpoint")
 
 
+SEED = 0  # the input set (--seed)
+
+
 def cell_inputs(cell):
     heads, layout = cell.split()
     hq, hv = map(int, heads.split("/"))
-    x = make_inputs(hq, hv, LAYOUTS[layout])
+    x = make_inputs(hq, hv, LAYOUTS[layout], seed=SEED)
     x.setdefault("scale", 128 ** -0.5)
     return x
 
@@ -124,7 +131,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("cells", help='";"-separated cells, e.g. "2/8 1x2048;4/16 1x8192" (with --segments: "CELL:L,L,..")')
     ap.add_argument("--segments", action="store_true", help="replay times at fixed segment lengths L (chunks)")
+    ap.add_argument("--seed", type=int, default=0, help="the benchmark's input set (default 0)")
     args = ap.parse_args()
+    global SEED
+    SEED = args.seed
     if not torch.cuda.is_available():
         raise SystemExit("cp_timeline.py: no CUDA device")
     specs = [c.strip() for c in args.cells.split(";") if c.strip()]
