@@ -226,40 +226,50 @@ inline double cp_host_split_steps(const CpSeqGroup* groups, int64_t n_groups, do
   return best;
 }
 
-// Whether to launch the pipeline at all: the host's price of a split (cp_host_split_steps) must
-// beat no split by kCpMinGain after the pipeline's own cost. Where even that case loses, the
-// plan would split and lose where a head does not decay, or decline after the pipeline had cost
-// ~20-30 us. Pricing the best case (no exact head) instead launched the pipeline in 7 of the
-// benchmark's cells where it lost 5-15% to CP off (16/64 1x4096, 8/32 and 16/32 1x2048, 4/4
-// B8x2048, the 8x4096 packs at 2/8 and 8/24, 16/48 4x8192: bench/NOTES.md step 24), where head
-// 0 does not decay; with every head decaying, those cells give up a split the model prices
-// within ~10-20 chunk-steps of the bar.
-inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, const CpCandidates& cand,
-                             int sms, bool corrected) {
+// What a split must cost less than, from the lengths on the host (cp_split_bar).
+inline double cp_host_bar(const CpSeqGroup* groups, int64_t n_groups, double hv, int sms) {
   double sum_c = 0.0, max_c = 0.0, n = 0.0;
   for (int64_t i = 0; i < n_groups; ++i) {
     sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
     max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
     n += static_cast<double>(groups[i].count);
   }
-  const double split = cp_host_split_steps(groups, n_groups, hv, cand, sms, corrected);
-  return split >= 0.0 && split + kCpPipelineSteps + kCpScanFixedSteps < cp_split_bar(sum_c, max_c, n, hv, sms);
+  return cp_split_bar(sum_c, max_c, n, hv, sms);
+}
+
+// Whether to launch the pipeline at all: the host's price of a split (cp_host_split_steps) must
+// beat no split (the bar, kCpMinGain below it) after the pipeline's own cost. Where even that
+// case loses, the plan would split and lose where a head does not decay, or decline after the
+// pipeline had cost ~20-30 us. Pricing the best case (no exact head) instead launched the
+// pipeline in 7 of the benchmark's cells where it lost 5-15% to CP off (16/64 1x4096, 8/32 and
+// 16/32 1x2048, 4/4 B8x2048, the 8x4096 packs at 2/8 and 8/24, 16/48 4x8192: bench/NOTES.md
+// step 24), where head 0 does not decay; with every head decaying, those cells give up a split
+// the model prices within ~10-20 chunk-steps of the bar.
+inline bool cp_split_pays(double split, double bar) {
+  return split >= 0.0 && split + kCpPipelineSteps + kCpScanFixedSteps < bar;
+}
+inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, const CpCandidates& cand,
+                             int sms, bool corrected) {
+  return cp_split_pays(cp_host_split_steps(groups, n_groups, hv, cand, sms, corrected),
+                       cp_host_bar(groups, n_groups, hv, sms));
 }
 
 // The fine candidate set's price: its 4x boundaries grew the pre-phase by 5-8 us (~2
 // chunk-steps: the certificate's and plan's loops), and over the benchmark's CP cells the model's
 // gain from it had a spread of several percent (rows it priced 1-6% cheaper measured up to 14%
-// slower; those priced >= 9% cheaper gained 3-20%, step 32b). So the fine set must beat the
-// coarse one by kCpFineMinGain with that cost added.
+// slower; those priced >= 9% cheaper gained 3-20%, step 32b). So the fine set (its host price
+// `fine`) must beat the coarse one (`coarse`) by kCpFineMinGain with that cost added.
 constexpr double kCpFineGrainSteps = 2.0;
 constexpr double kCpFineMinGain = 0.93;
-inline bool cp_fine_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks, int sms,
-                         bool corrected) {
-  const double fine = cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, true), sms, corrected);
-  const double coarse = cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, false), sms, corrected);
+inline bool cp_fine_pays(double fine, double coarse) {
   if (fine < 0.0) return false;
   return coarse < 0.0 ||
          fine + kCpPipelineSteps + kCpFineGrainSteps < kCpFineMinGain * (coarse + kCpPipelineSteps);
+}
+inline bool cp_fine_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, int32_t min_chunks, int sms,
+                         bool corrected) {
+  return cp_fine_pays(cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, true), sms, corrected),
+                      cp_host_split_steps(groups, n_groups, hv, cp_candidates(min_chunks, false), sms, corrected));
 }
 
 // Whether an exact segment's outputs are corrected from its start state (o = o_local +

@@ -899,22 +899,29 @@ CpLayout cp_layout(const Problem& p, int sms) {
       groups.reserve(static_cast<size_t>(p.N));
       for (int64_t n = 0; n < p.N; ++n) groups.push_back({ceil_div(p.seq(n).len, 64), 1});
     }
+    // Each set priced once (a varlen call has a group per sequence).
     const int64_t n_groups = static_cast<int64_t>(groups.size());
     const auto hv = static_cast<double>(p.Hv);
-    if (c.cand.count > 1)
-      c.cand = cp_candidates(c.cand.min_chunks, cp_fine_pays(groups.data(), n_groups, hv, c.cand.min_chunks, sms,
-                                                             corrected));
-    if (auto_cp && !cp_pipeline_pays(groups.data(), n_groups, hv, c.cand, sms, corrected)) return c;
+    double split = cp_host_split_steps(groups.data(), n_groups, hv, c.cand, sms, corrected);
+    if (c.cand.count > 1) {
+      const CpCandidates coarse = cp_candidates(c.cand.min_chunks, false);
+      const double coarse_split = cp_host_split_steps(groups.data(), n_groups, hv, coarse, sms, corrected);
+      if (!cp_fine_pays(split, coarse_split)) {
+        c.cand = coarse;
+        split = coarse_split;
+      }
+    }
+    if (auto_cp && !cp_split_pays(split, cp_host_bar(groups.data(), n_groups, hv, sms))) return c;
   }
   c.enabled = true;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
   c.max_items = p.N + ceil_div(sum_c, L);
   c.max_slots = max_slots;
   c.max_splits = sum_c / (L + 1) + 1;
-  c.grain = c.cand.grain();
-  c.per_bound = std::min(c.grain, c.window);
+  const int64_t grain = c.cand.grain();
+  c.per_bound = static_cast<int32_t>(std::min<int64_t>(grain, c.window));
   // Boundaries: ceil(c_n / grain) - 1 <= floor(c_n / grain) per sequence longer than L.
-  c.max_bounds = p.varlen ? sum_c / c.grain : (C > L ? p.B * (ceil_div(C, static_cast<int64_t>(c.grain)) - 1) : 0);
+  c.max_bounds = p.varlen ? sum_c / grain : (C > L ? p.B * (ceil_div(C, grain) - 1) : 0);
   c.state_bytes = state_bytes;
   c.corrected = corrected;
   c.corr_bytes = corrected ? static_cast<size_t>(p.B * p.T) * p.Hv * p.K * 2 : 0;  // q~ in q's 16-bit dtype
@@ -922,7 +929,7 @@ CpLayout cp_layout(const Problem& p, int sms) {
 }
 
 void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {
-  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.grain, c.cand.min_chunks, c.max_bounds, t);
+  cp_bounds_kernel<<<1, kPlanThreads, 0, stream>>>(fp.seq, c.cand.grain(), c.cand.min_chunks, c.max_bounds, t);
   FGDN_CHECK_LAUNCH("cp_bounds_kernel");
 }
 
@@ -930,7 +937,7 @@ void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t
   if (c.max_bounds == 0) return;
   const dim3 grid(static_cast<unsigned>(c.max_bounds * c.per_bound), static_cast<unsigned>(ceil_div(fp.Hv, 32)));
   launch_dependent(cp_certify_kernel, grid, dim3(kCertifyThreads), 0, stream, "cp_certify_kernel", fp, t,
-                   c.grain, c.per_bound);
+                   c.cand.grain(), c.per_bound);
 }
 
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream) {

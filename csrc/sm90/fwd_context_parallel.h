@@ -75,9 +75,9 @@ constexpr int32_t kCertifyMaxChunks = 16;
 struct CpLayout {
   bool enabled = false;
   int32_t sms = 0;
-  CpCandidates cand;       // the segment lengths the plan chooses from (one when fixed)
-  int32_t grain = 0;        // boundaries every `grain` chunks (cand.grain()); segments start from L_min on
-  int32_t per_bound = 0;    // chunk sums a boundary holds: min(grain, window)
+  CpCandidates cand;       // the segment lengths the plan chooses from (one when fixed); a
+                           // boundary every cand.grain() chunks, segments from L_min on
+  int32_t per_bound = 0;    // chunk sums a boundary holds: min(cand.grain(), window)
   int32_t window = 0;       // chunks the certificate may look back: min(min_chunks, 16)
   int64_t max_items = 0, max_slots = 0, max_splits = 0, max_bounds = 0;
   size_t state_bytes = 0;  // one of the two slot arrays (ends, trans)
