@@ -101,29 +101,11 @@ struct CpCandidateStats {
   unsigned long long items, exact, exact_chunks, warm_chunks, warm_max, movable, long_ctas;
 };
 
-// The long item CTAs of a sequence of c chunks at segment length L, per head (CpCandidateStats).
-// The plan kernel calls it with 32-bit counts (a 64-bit division is ~70 instructions, on the
-// one thread that holds a sequence).
+// The long item CTAs of a sequence of c chunks at segment length L, per head (CpCandidateStats;
+// the plan kernel forms the same from the quotient it takes for `items`).
 template <class U>
 FGDN_HOST_DEVICE constexpr U cp_long_items(U c, U L) {
   return c > L ? c / L + (2 * (c % L) > L ? 1 : 0) : (2 * c > L ? 1 : 0);
-}
-
-// ceil(a / b) for b > 0, as the least q with q b >= a in double arithmetic (q b is monotone in
-// q, so that q is one number however the first guess is made). On the GPU the guess is a float
-// division of two MUFU operations: the plan prices its candidates there, and a double division
-// is a ~400-cycle subroutine on the plan's critical path (each candidate took several; step
-// 33, bench/NOTES.md). The guess is within a few units of q for any quotient below 2^22, and the
-// two loops make it exact, so host and GPU take the same q.
-FGDN_HOST_DEVICE inline double cp_ceil_div(double a, double b) {
-#ifdef __CUDA_ARCH__
-  double q = ceil(static_cast<double>(__fdividef(static_cast<float>(a), static_cast<float>(b))));
-#else
-  double q = ceil(a / b);
-#endif
-  while (q * b < a) q += 1.0;
-  while ((q - 1.0) * b >= a) q -= 1.0;
-  return q;
 }
 
 // Movable CTAs that phase 2 takes: phase 1 keeps the others and fills its last wave with
@@ -133,15 +115,12 @@ FGDN_HOST_DEVICE inline unsigned long long cp_deferred(unsigned long long ctas1,
                                                        unsigned long long exact, int sms) {
   if (exact == 0 || movable == 0) return 0;
   const unsigned long long forced = ctas1 - movable, s = static_cast<unsigned long long>(sms);
-  const unsigned long long waves = forced + s - 1 <= 0xffffffffull  // a 32-bit division where it fits
-                                       ? static_cast<uint32_t>(forced + s - 1) / static_cast<uint32_t>(s)
-                                       : (forced + s - 1) / s;
-  const unsigned long long fill = waves * s - forced;
+  const unsigned long long fill = (forced + s - 1) / s * s - forced;
   return movable > fill ? movable - fill : 0;
 }
 
 FGDN_HOST_DEVICE inline double cp_waves(double work, double len, int sms) {
-  return len <= 0 ? 0.0 : cp_ceil_div(work, sms * len) * len;
+  return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
 }
 
 // Waves of CTAs of up to len steps, `long_ctas` of them longer than len / 2: at least
@@ -151,7 +130,7 @@ FGDN_HOST_DEVICE inline double cp_waves(double work, double len, int sms) {
 FGDN_HOST_DEVICE inline double cp_long_waves(double work, double len, double long_ctas, int sms) {
   const double by_work = cp_waves(work, len, sms);
   if (len <= 0 || long_ctas <= 0) return by_work;
-  const double by_count = cp_ceil_div(long_ctas, sms) * len;
+  const double by_count = ceil(long_ctas / sms) * len;
   return by_work > by_count ? by_work : by_count;
 }
 
@@ -176,9 +155,9 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
                                   len1, long1, sms);
   const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
   const double p2 = exact <= 0 ? 0.0
-                    : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * cp_ceil_div(m, sms)
+                    : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * ceil(m / sms)
                                 : cp_waves(m + kCpFillSteps * exact + deferred, len2, sms);
-  const double scan = kCpScanSteps * (cp_ceil_div(max_c, L) - 1.0);
+  const double scan = kCpScanSteps * (ceil(max_c / L) - 1.0);
   return p1 + p2 + scan + kCpFixedSteps;
 }
 

@@ -215,21 +215,6 @@ TEST(CpCostModel, LongCtasRunInWholeWaves) {
   EXPECT_EQ(walked.chunks, 4);
 }
 
-TEST(CpCostModel, CeilDivIsExactAtEveryBoundary) {
-  // The least q with q b >= a: exact at the multiples, for fractions, zero and negative work.
-  EXPECT_EQ(cp_ceil_div(924.0, 924.0), 1.0);
-  EXPECT_EQ(cp_ceil_div(925.0, 924.0), 2.0);
-  EXPECT_EQ(cp_ceil_div(923.0, 924.0), 1.0);
-  EXPECT_EQ(cp_ceil_div(0.0, 7.0), 0.0);
-  EXPECT_EQ(cp_ceil_div(-1.5, 1.0), -1.0);
-  EXPECT_EQ(cp_ceil_div(3.2, 1.6), 2.0);
-  for (double b : {1.0, 7.0, 132.0, 132.0 * 19.0, 132.0 * 2.6})
-    for (double q = 0.0; q < 5000.0; q += 37.0) {
-      EXPECT_EQ(cp_ceil_div(q * b, b), q) << q << " " << b;
-      EXPECT_EQ(cp_ceil_div(q * b + 0.25, b), q + 1.0) << q << " " << b;
-    }
-}
-
 TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {
   // Every head exact (no in-kernel l2norm, or no decay): at 16/64 1x32768 each segment costs
   // an M walk and a second pass, and 64 chains already fill half the SMs.
