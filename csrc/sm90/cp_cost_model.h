@@ -16,7 +16,9 @@
 //   scan    = kCpScanSteps (ceil(max c / L) - 1)
 // With the exact segments' outputs corrected instead of walked again (`corrected`,
 // cp_layout): no second pass, so nothing moves (D = 0) and phase 2 is the correction,
-// kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / sms) where there is an exact segment.
+// kCpCorrectSteps + kCpCorrectUnitSteps ceil(m / sms) where there is an exact segment, and
+// phase 1 takes at least ceil(n_long / sms) waves, n_long = the CTAs longer than half a wave
+// (long_ctas + exact), since no two of them share an SM's wave.
 //   waves(work, len) = ceil(work / (sms len)) len      (CTAs of len steps, sms at a time)
 // plus kCpFixedSteps for the extra launches. Without CP: waves(Hv (sum c + F N), max c + F).
 #pragma once
@@ -92,10 +94,19 @@ FGDN_HOST_DEVICE constexpr CpCandidates cp_fixed_length(int32_t chunks) { return
 // The plan's statistics of one candidate L, summed over its segments and heads. `movable`:
 // CTAs whose results neither the scan nor a later pass reads (unsplit sequences; middle
 // warm-up segments not followed by an exact one), which may run in phase 2 beside the exact
-// segments' second pass instead of in phase 1.
+// segments' second pass instead of in phase 1. `long_ctas`: the item CTAs longer than half a
+// segment (every segment of L chunks; a last segment or an unsplit sequence of more than L / 2
+// chunks), of which no two share an SM's wave (cp_long_waves); the M walks are in `exact`.
 struct CpCandidateStats {
-  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max, movable;
+  unsigned long long items, exact, exact_chunks, warm_chunks, warm_max, movable, long_ctas;
 };
+
+// The long item CTAs of a sequence of c chunks at segment length L, per head (CpCandidateStats;
+// the plan kernel forms the same from the quotient it takes for `items`).
+template <class U>
+FGDN_HOST_DEVICE constexpr U cp_long_items(U c, U L) {
+  return c > L ? c / L + (2 * (c % L) > L ? 1 : 0) : (2 * c > L ? 1 : 0);
+}
 
 // Movable CTAs that phase 2 takes: phase 1 keeps the others and fills its last wave with
 // movable ones; the rest run beside the exact segments' second pass. Nothing moves when there
@@ -112,6 +123,17 @@ FGDN_HOST_DEVICE inline double cp_waves(double work, double len, int sms) {
   return len <= 0 ? 0.0 : ceil(work / (sms * len)) * len;
 }
 
+// Waves of CTAs of up to len steps, `long_ctas` of them longer than len / 2: at least
+// ceil(long / sms) waves, since two long ones never share an SM's wave. Work alone let the model
+// cut CTAs: at 8/16 1x2048, L = 4, 135 segment and M-walk CTAs (0.99 of a wave of work) ran in
+// two rounds on 132 SMs (phase 1 ~50 us; at L = 5, 102 of them: ~25; bench/NOTES.md, step 33).
+FGDN_HOST_DEVICE inline double cp_long_waves(double work, double len, double long_ctas, int sms) {
+  const double by_work = cp_waves(work, len, sms);
+  if (len <= 0 || long_ctas <= 0) return by_work;
+  const double by_count = ceil(long_ctas / sms) * len;
+  return by_work > by_count ? by_work : by_count;
+}
+
 FGDN_HOST_DEVICE inline double cp_unsplit_steps(double sum_c, double max_c, double n, double hv, int sms) {
   return cp_waves(hv * (sum_c + kCpFillSteps * n), max_c + kCpFillSteps, sms);
 }
@@ -124,8 +146,13 @@ FGDN_HOST_DEVICE inline double cp_steps(const CpCandidateStats& s, double sum_c,
   const unsigned long long walked_again = corrected ? 0 : s.exact;
   const double deferred =
       static_cast<double>(cp_deferred(static_cast<unsigned long long>(ctas1), s.movable, walked_again, sms)) * len1;
-  const double p1 =
-      cp_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred, len1, sms);
+  // Whole-CTA waves where nothing is walked again (corrected): there phase 1 holds every CTA.
+  // Where phase 2 walks the exact segments again and takes movable CTAs beside them, which CTAs
+  // run when is the plan's pass 4, which this count does not follow: with it the model picked
+  // worse lengths there (8/32 1x32768 and 1x8192, 16/64 1x8192: +9..+12%, step 33).
+  const double long1 = corrected ? static_cast<double>(s.long_ctas) + exact : 0.0;
+  const double p1 = cp_long_waves(hv * sum_c + m + static_cast<double>(s.warm_chunks) + kCpFillSteps * ctas1 - deferred,
+                                  len1, long1, sms);
   const double len2 = deferred > 0 && len1 > L + kCpFillSteps ? len1 : L + kCpFillSteps;
   const double p2 = exact <= 0 ? 0.0
                     : corrected ? kCpCorrectSteps + kCpCorrectUnitSteps * ceil(m / sms)
@@ -207,6 +234,8 @@ inline double cp_host_split_steps(const CpSeqGroup* groups, int64_t n_groups, do
     for (int64_t i = 0; i < n_groups; ++i) {
       const int64_t chunks = groups[i].chunks;
       const auto count = static_cast<unsigned long long>(groups[i].count);
+      st.long_ctas += cp_long_items(static_cast<unsigned long long>(chunks), static_cast<unsigned long long>(L)) *
+                      count * heads;
       if (chunks <= L) {  // unsplit: one item, movable
         st.items += count;
         st.movable += count * heads;

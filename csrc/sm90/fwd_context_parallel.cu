@@ -222,7 +222,7 @@ __device__ inline int32_t cp_warm_up(const float* chunk_gate, int64_t b, int32_t
 template <bool kFine>
 struct PlanStats {
   static constexpr int kCandidates = cp_candidate_count(kFine);
-  static constexpr int kFields = 2 + 6 * kCandidates;
+  static constexpr int kFields = 2 + 7 * kCandidates;
   unsigned long long sum_c, max_c;
   CpCandidateStats cand[kCandidates];
 };
@@ -231,13 +231,13 @@ struct PlanStats {
 // so the order does not matter: each warp's values by shuffles, then thread f over the warps'
 // partials of field f. (A block-wide atomic round per field, 38 of them, took ~12000 of the
 // plan's ~40000 cycles: bench/NOTES.md, step 12.)
-static_assert(sizeof(CpCandidateStats) == 6 * sizeof(unsigned long long) &&
+static_assert(sizeof(CpCandidateStats) == 7 * sizeof(unsigned long long) &&
                   offsetof(PlanStats<false>, cand) == 2 * sizeof(unsigned long long) &&
                   offsetof(PlanStats<true>, cand) == 2 * sizeof(unsigned long long) &&
                   sizeof(PlanStats<true>) == PlanStats<true>::kFields * sizeof(unsigned long long) &&
                   offsetof(CpCandidateStats, warm_max) == 4 * sizeof(unsigned long long),
               "stat_is_max assumes this layout");
-__device__ __forceinline__ bool stat_is_max(int f) { return f == 1 || (f >= 2 && (f - 2) % 6 == 4); }
+__device__ __forceinline__ bool stat_is_max(int f) { return f == 1 || (f >= 2 && (f - 2) % 7 == 4); }
 
 template <class Stats>
 __device__ inline void block_reduce_stats(const Stats& own, Stats& all,
@@ -404,11 +404,15 @@ __global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayou
       // 32-bit divisions (a 64-bit one is ~70 instructions): a sequence's chunk count fits 32
       // bits (the boundaries' table holds it as an int).
       const uint32_t c32 = static_cast<uint32_t>(c);
+      const auto heads = static_cast<unsigned long long>(hv);
 #pragma unroll
       for (int i = 0; i < Stats::kCandidates; ++i) {
         const uint32_t L = static_cast<uint32_t>(grain * cp_candidate_grains(i, kFine));
-        own.cand[i].items += c32 > L ? (c32 + L - 1) / L : 1u;
-        own.cand[i].movable += c32 > L ? 0 : static_cast<unsigned long long>(hv);  // unsplit: movable
+        const uint32_t whole = c32 / L, rest = c32 - whole * L;  // one division for both counts
+        own.cand[i].items += c32 > L ? whole + (rest > 0 ? 1u : 0u) : 1u;
+        own.cand[i].movable += c32 > L ? 0 : heads;  // unsplit: movable
+        // cp_long_items(c32, L) from the same quotient.
+        own.cand[i].long_ctas += heads * (c32 > L ? whole + (2 * rest > L ? 1u : 0u) : (2 * c32 > L ? 1u : 0u));
       }
     }
     // Per (boundary, head): the segments' certificates.

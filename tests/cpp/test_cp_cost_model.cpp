@@ -57,6 +57,9 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
     for (int64_t cn : c) {
       st[i].items += cn > L ? (cn + L - 1) / L : 1;
       if (cn <= L) st[i].movable += static_cast<unsigned long long>(hv);  // unsplit
+      // Segments of L chunks, and a last one or an unsplit sequence of more than L / 2.
+      const int64_t whole = cn > L ? cn / L : 0, last = cn > L ? cn % L : cn;
+      st[i].long_ctas += static_cast<unsigned long long>(hv * (whole + (2 * last > L ? 1 : 0)));
       for (int64_t start = L; start < cn; start += L)  // the segments after the first
         for (int32_t w : s.warm) {
           if (w == kExact) {
@@ -185,6 +188,31 @@ TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
     const HostChoice h = pipeline_pays(c.tokens, c.hv, c.varlen);
     EXPECT_EQ(h.runs, c.runs) << c.cell << (h.corrected ? " (corrected)" : "");
   }
+}
+
+TEST(CpCostModel, LongCtasRunInWholeWaves) {
+  // Two CTAs longer than half a wave never share an SM's wave: 135 of them on 132 SMs take two
+  // waves however little work they hold together; the work still bounds it from below.
+  EXPECT_EQ(cp_long_waves(915.0, 7.0, 135.0, 132), 14.0);
+  EXPECT_EQ(cp_long_waves(915.0, 7.0, 132.0, 132), 7.0);
+  EXPECT_EQ(cp_long_waves(2000.0, 7.0, 10.0, 132), 21.0);
+  EXPECT_EQ(cp_long_waves(915.0, 7.0, 0.0, 132), 7.0);  // none long: the work's waves
+  EXPECT_EQ(cp_long_items(32u, 4u), 8u);  // eight segments of 4
+  EXPECT_EQ(cp_long_items(32u, 5u), 6u);  // six of 5; the last, of 2, is short
+  EXPECT_EQ(cp_long_items(33u, 5u), 7u);  // the last, of 3, is long
+  EXPECT_EQ(cp_long_items(3u, 4u), 1u);   // unsplit, more than half a segment
+  EXPECT_EQ(cp_long_items(2u, 4u), 0u);
+  // 8/16 1x2048 (corrected, the benchmark's gates): at L = 4, 8 segments x 16 heads + 7 M walks
+  // = 135 CTAs ran phase 1 in two rounds; fixed lengths measured (us, H100, step 33): L 4 88.8,
+  // L 5 69.6, L 6 71.2, L 8 72.5. The coarse set's best is L = 8 (the fine set's L = 5 does not
+  // pay for its boundaries: cp_fine_pays).
+  const Choice r = plan({{2048}, bench_gates(16)}, /*corrected=*/true);
+  EXPECT_FALSE(r.fine);
+  EXPECT_EQ(r.chunks, 8);
+  // Where the exact segments are walked again the count does not apply (pass 4 decides which
+  // CTAs run in which phase): the same shape uncorrected keeps the work's price.
+  const Choice walked = plan({{2048}, bench_gates(16)}, /*corrected=*/false);
+  EXPECT_EQ(walked.chunks, 4);
 }
 
 TEST(CpCostModel, AllExactHeadsDoNotPayForASplitTheyCannotUse) {
