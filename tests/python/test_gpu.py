@@ -283,7 +283,7 @@ def test_dense_batch_invariance():
     assert torch.equal(o[1:2], o1) and torch.equal(ht[1:2], ht1)
 
 
-@pytest.mark.parametrize("opt", ["fast", "high", "fp16", "v_first_checkpoints", "gate_l2norm", "state_pool"])
+@pytest.mark.parametrize("opt", ["fast", "high", "fp16", "v_first", "checkpoints", "gate_l2norm", "state_pool"])
 def test_column_split_same_bits(opt):
     """Without CP at D = 128, a call whose (sequence, head) items fill less than half the SMs gives
     each CTA half of an item's value columns (the column split, docs/design.md); more items run
@@ -295,8 +295,9 @@ def test_column_split_same_bits(opt):
         case["dtype"] = torch.float16
     if opt == "gate_l2norm":
         case.update(l2norm=True, gate_in_kernel=True)
-    if opt == "v_first_checkpoints":
+    if opt == "v_first":
         case["state_v_first"] = True
+    if opt == "checkpoints":
         kw["checkpoint_every"] = 128
     if opt == "high":
         kw["precision"] = "high"
