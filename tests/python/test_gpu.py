@@ -318,8 +318,8 @@ def test_column_split_same_bits(opt):
         assert torch.equal(pool[4], pool_one[4]), "the pool row differs"
     else:
         assert torch.equal(ht[4:5], ht1), "the final state differs"
-    if ck is not None:
-        assert torch.equal(ck[4:5], ck1), "the checkpoints differ"
+    if ck is not None:  # flat rows: 300 // 128 = 2 a sequence
+        assert torch.equal(ck[8:10], ck1), "the checkpoints differ"
 
 
 def test_side_stream_same_bits():
