@@ -80,7 +80,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
-    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_state<Tr>(p, sm, w, c0, wg - 2, tid); });
+    // The value-column block: the warpgroup's own, or with the columns split the item's.
+    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) {
+      fwd_state<Tr>(p, sm, w, c0, Tr::kSplitColumns ? w.col : wg - 2, tid);
+    });
     if (tid == 0) bulk_wait_group<0>();  // o's TMA stores (store_output) written before the CTA ends
   }
 #endif

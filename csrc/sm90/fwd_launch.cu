@@ -211,7 +211,12 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     }
   };
   if (!wl.cp.enabled) {
-    launch(fp, p.N * p.Hv, kPersistentDenseBatches && !p.varlen);
+    // Where the items fill less than half the SMs, each one's value columns (D = 128) go to two
+    // CTAs: the two halves' state chains run on two SMs instead of sharing one SM's tensor cores
+    // (bench/NOTES.md, step 37). The bits are those of the unsplit kernel.
+    const int64_t items = p.N * p.Hv;
+    if (p.K == 128 && 2 * items <= sm_count(p.device_id)) fp.col_blocks = 2;
+    launch(fp, items * fp.col_blocks, kPersistentDenseBatches && !p.varlen);
     return;
   }
   // Context parallelism (fwd_context_parallel.h): boundaries, certificate, plan, phase 1, scan,

@@ -18,11 +18,20 @@ void launch_traits(const FwdParams& fp, int64_t ctas, cudaStream_t stream) {
   launch_dependent(kern, dim3(static_cast<unsigned>(ctas)), dim3(Tr::kThreads), smem, stream, "gdn_fwd_kernel", fp);
 }
 
+// The kernel with a CTA's value columns split (fp.col_blocks = 2, D = 128) or whole.
+template <int kD, typename Tin, Precision kPrecision>
+void launch_columns(const FwdParams& fp, int64_t ctas, cudaStream_t stream) {
+  if constexpr (kD == 128) {
+    if (fp.col_blocks == 2) return launch_traits<FwdTraits<kD, Tin, kPrecision, true>>(fp, ctas, stream);
+  }
+  launch_traits<FwdTraits<kD, Tin, kPrecision>>(fp, ctas, stream);
+}
+
 template <int kD, typename Tin>
 void launch_fwd(const FwdParams& fp, Precision precision, int64_t ctas, cudaStream_t stream) {
   switch (precision) {
-    case Precision::kFast: launch_traits<FwdTraits<kD, Tin, Precision::kFast>>(fp, ctas, stream); break;
-    case Precision::kHigh: launch_traits<FwdTraits<kD, Tin, Precision::kHigh>>(fp, ctas, stream); break;
+    case Precision::kFast: launch_columns<kD, Tin, Precision::kFast>(fp, ctas, stream); break;
+    case Precision::kHigh: launch_columns<kD, Tin, Precision::kHigh>(fp, ctas, stream); break;
   }
 }
 

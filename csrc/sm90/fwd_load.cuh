@@ -40,7 +40,7 @@ __device__ __forceinline__ void fwd_load_tiles(const FwdParams& p, FwdSmem<Tr>& 
       const int32_t hq = static_cast<int32_t>(w.hq), h = static_cast<int32_t>(w.h);
       tma_load_tile(&st.qk[blk][0][0], &p.tma_q, p.order_q, full, blk, hq, t, b);
       tma_load_tile(&st.qk[blk][64][0], &p.tma_k, p.order_k, full, blk, hq, t, b);
-      tma_load_tile(&st.v[blk][0][0], &p.tma_v, p.order_v, full, blk, h, t, b);
+      if (!Tr::kSplitColumns || blk == w.col) tma_load_tile(&st.v[blk][0][0], &p.tma_v, p.order_v, full, blk, h, t, b);
     }
     // The item's start state into L2 once its first chunk's loads are out, chunks before the
     // state role reads it.

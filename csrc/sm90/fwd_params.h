@@ -82,7 +82,10 @@ struct FwdParams {
   const int64_t* ckpt_offset = nullptr;  // varlen: first checkpoint row per sequence [N]
 
   CpRef cp;
-  int32_t units = 0;  // unit indices of the launch (fwd_scheduler.cuh): N Hv, or the CP grid bound
+  int32_t units = 0;  // unit indices of the launch (fwd_scheduler.cuh): N Hv (x col_blocks), or the
+                      // CP grid bound
+  int32_t col_blocks = 1;  // 2: a CTA owns one 64-column block of the value dimension (D = 128,
+                           // no CP), the kernel built with FwdTraits::kSplitColumns
 };
 
 }  // namespace flashgdn::sm90

@@ -46,6 +46,8 @@ struct WorkItem {
   int32_t slot;        // CP slot (segment of a split sequence), -1 otherwise
   int32_t out_corr;    // 1: the walk's output goes to cp.corr, not o (an exact segment's M walk
                        // where its outputs are corrected: q~ = scale M_t^T q_t)
+  int32_t col;         // the value-column block the item's state walk owns where a CTA owns one
+                       // (p.col_blocks = 2), 0 otherwise
   bool active;         // false: a surplus unit of a CP grid (nothing to do)
 
   // Tokens of chunk j (1..64).
@@ -67,8 +69,8 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
   return warm[at] != kExactSegment && warm[at + hv] != kExactSegment;
 }
 
-// The item of unit index `index` (p.units of them). Without CP: (sequence, value head), the value
-// heads of one sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those
+// The item of unit index `index` (p.units of them). Without CP: (sequence, value head[, column
+// block]), the value heads of one sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those
 // loads through L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
 //   phase 1: indices [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
 //            rest run the plan's items: whole sequences, first segments (from h0), warm-up
@@ -80,6 +82,10 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
 // writes q~ into cp.corr and its N walk o_local into o, and phase 2 does not walk them again.
 __device__ __forceinline__ WorkItem fwd_work_item(const FwdParams& p, int32_t index) {
   WorkItem w;
+  // With the value columns split (no CP), the two blocks of an item are adjacent indices: they
+  // run at once and share the Q and K loads through L2.
+  w.col = index % p.col_blocks;
+  index /= p.col_blocks;
   const int32_t hv = static_cast<int32_t>(p.Hv);
   int32_t unit = index / hv;
   w.h = index % hv;

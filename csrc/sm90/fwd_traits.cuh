@@ -14,7 +14,10 @@ namespace flashgdn::sm90 {
 // (Splitting S alone was measured: o 3.4-3.5e-3 against 3.7-3.9e-3 for kFast, bench/NOTES.md.)
 enum class Precision : int { kFast = 0, kHigh = 1 };
 
-template <int kD_, typename Tin_, Precision kPrecision_>
+// kSplitColumns_: each CTA owns one 64-column block of the value dimension (D = 128 only), for
+// launches whose work items fill less than half the GPU: two CTAs per item on two SMs, each
+// with one state warpgroup, the chunk-local results computed by both (fwd_launch.cu).
+template <int kD_, typename Tin_, Precision kPrecision_, bool kSplitColumns_ = false>
 struct FwdTraits {
   using Tin = Tin_;                  // q, k, v and the tensor-core operand type (bf16 | fp16)
   static constexpr int kD = kD_;     // K = V head dimension
@@ -28,7 +31,9 @@ struct FwdTraits {
   //             cumulative gate and, once the k norms are in, each key's column exponent
   //   WG 1      chunk-local: K K^T, Q K^T, A, P, T = (I + A)^-1; runs ahead of the state
   //   WG 2 ..   state: each owns 64 rows (value columns) of the transposed state S^T
-  static constexpr int kStateWGs = kD / 64;
+  static constexpr bool kSplitColumns = kSplitColumns_;
+  static_assert(!kSplitColumns || kD == 128, "the column split is for D = 128 (two blocks)");
+  static constexpr int kStateWGs = kSplitColumns ? 1 : kD / 64;
   static constexpr int kThreads = 128 * (2 + kStateWGs);
 
   static constexpr Precision kPrecision = kPrecision_;
@@ -44,21 +49,24 @@ struct FwdTraits {
 
   // Registers per thread by role (setmaxnreg). The CTA starts with 65536 / kThreads registers a
   // thread (128 at D = 128, 168 at D = 64) and the budgets must add up to no more than that, or
-  // setmaxnreg.inc waits forever: 24 + 104 + 2 x 192 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168.
+  // setmaxnreg.inc waits forever: 24 + 104 + 2 x 192 = 512 = 4 x 128; 32 + 232 + 240 = 504 = 3 x 168
+  // (one state warpgroup: D = 64, or D = 128 with the columns split).
   // A state warpgroup holds S (D/2 floats), a 64 x 128 accumulator (64) and one product's A
   // fragments (D/4); the chunk-local one both grams' 64 x 64 accumulators while it gates them
   // (64) with the column values in flight, then small tiles of the inverse. (At 80 / 200 the
   // local role spilled 128 B at D = 128; at 96 with the column values two blocks ahead, 16 B.)
   // The producer's warps hold a 16-byte load or two and a sum: 24 is the hardware's minimum.
-  static constexpr uint32_t kProducerRegs = kD == 128 ? 24 : 32;
-  static constexpr uint32_t kLocalRegs = kD == 128 ? 104 : 232;
-  static constexpr uint32_t kStateRegs = kD == 128 ? 192 : 240;
+  static constexpr bool kFourWGs = kStateWGs == 2;
+  static constexpr uint32_t kProducerRegs = kFourWGs ? 24 : 32;
+  static constexpr uint32_t kLocalRegs = kFourWGs ? 104 : 232;
+  static constexpr uint32_t kStateRegs = kFourWGs ? 192 : 240;
   static constexpr uint32_t kEntryRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs + kLocalRegs + kStateWGs * kStateRegs <= kEntryRegs * (2 + kStateWGs),
                 "register budgets exceed the CTA's registers");
 
-  // Bytes one chunk's TMA loads bring: Q and K (64 x D each) and V (64 x D).
-  static constexpr uint32_t kTmaBytes = 3u * 64u * kD * 2u;
+  // Bytes one chunk's TMA loads bring: Q and K (64 x D each) and the CTA's value columns of V
+  // (64 x 64 per state warpgroup).
+  static constexpr uint32_t kTmaBytes = (2u * kD + 64u * kStateWGs) * 64u * 2u;
 };
 
 // Named barrier ids (0 is __syncthreads).

@@ -283,6 +283,45 @@ def test_dense_batch_invariance():
     assert torch.equal(o[1:2], o1) and torch.equal(ht[1:2], ht1)
 
 
+@pytest.mark.parametrize("opt", ["fast", "high", "fp16", "v_first", "checkpoints", "gate_l2norm", "state_pool"])
+def test_column_split_same_bits(opt):
+    """Without CP at D = 128, a call whose (sequence, head) items fill less than half the SMs gives
+    each CTA half of an item's value columns (the column split, docs/design.md); more items run
+    whole. The split changes no arithmetic: one sequence alone (split: 16 items) gets the bits it
+    gets among nine (whole: 144 items, more than half the SMs of any GPU up to 288)."""
+    case = dict(B=9, T=300, Hq=4, Hv=16, K=128, V=128, device=DEV)
+    kw = dict(context_parallel=False, output_final_state=True)
+    if opt == "fp16":
+        case["dtype"] = torch.float16
+    if opt == "gate_l2norm":
+        case.update(l2norm=True, gate_in_kernel=True)
+    if opt == "v_first":
+        case["state_v_first"] = True
+    if opt == "checkpoints":
+        kw["checkpoint_every"] = 128
+    if opt == "high":
+        kw["precision"] = "high"
+    base = make_case(**case)
+    many = base.lowlevel_kwargs()
+    one = dict(many, initial_state=base.initial_state[4:5].contiguous())
+    if opt == "state_pool":
+        # the pool rows read and written in place, in the pool's dtype (bf16)
+        pool = base.initial_state.to(torch.bfloat16)
+        pool_one = pool.clone()
+        kw["output_final_state"] = False
+        many.update(initial_state=pool, state_indices=torch.arange(9, device=DEV, dtype=torch.int32))
+        one.update(initial_state=pool_one, state_indices=torch.tensor([4], device=DEV, dtype=torch.int32))
+    o, ht, ck = chunk_gated_delta_rule_fwd(*base.inputs(), **many, **kw)
+    o1, ht1, ck1 = chunk_gated_delta_rule_fwd(*[x[4:5].contiguous() for x in base.inputs()], **one, **kw)
+    assert torch.equal(o[4:5], o1), "o differs between the split and the whole columns"
+    if opt == "state_pool":
+        assert torch.equal(pool[4], pool_one[4]), "the pool row differs"
+    else:
+        assert torch.equal(ht[4:5], ht1), "the final state differs"
+    if ck is not None:  # flat rows: 300 // 128 = 2 a sequence
+        assert torch.equal(ck[8:10], ck1), "the checkpoints differ"
+
+
 def test_side_stream_same_bits():
     c = _fixed_case()
     ref = _fwd_bwd_bits(c)
