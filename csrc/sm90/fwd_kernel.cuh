@@ -22,6 +22,17 @@
 
 namespace flashgdn::sm90 {
 
+// A role's walk over the CTA's items (fwd_scheduler.cuh) for whole warps. With a split state
+// (`high`), where the state role and the producer's warps use every register they have, the
+// walk's counters live in shared memory (a pair per warp), not in registers across the body:
+// there ptxas spilled them (and the lane index) to the stack, once per item (bench/NOTES.md,
+// step 39).
+template <class Tr, class F>
+__device__ __forceinline__ void walk_items(const FwdParams& p, FwdSmem<Tr>& sm, F&& body) {
+  if constexpr (Tr::kSplitState) for_each_work_item(p, sm.walk[threadIdx.x / 32], body);
+  else for_each_work_item(p, body);
+}
+
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_constant__ FwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -62,7 +73,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     // schedulers with the mostly idle TMA and gate warps (bench/NOTES.md).
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
     if (warp < 2) {
-      for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_row_norms<Tr>(p, sm, w, c0, warp, lane); });
+      walk_items(p, sm, [&](const WorkItem& w, int32_t c0) { fwd_row_norms<Tr>(p, sm, w, c0, warp, lane); });
     } else if (warp == 2) {
       if (lane == 0) {
         prefetch_tensormap(&p.tma_q);
@@ -71,19 +82,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
         for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_load_tiles<Tr>(p, sm, w, c0); });
       }
     } else {
-      for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_load_gates<Tr>(p, sm, w, c0, lane); });
+      walk_items(p, sm, [&](const WorkItem& w, int32_t c0) { fwd_load_gates<Tr>(p, sm, w, c0, lane); });
     }
   } else if (wg == 1) {
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();
     else setmaxnreg_dec<Tr::kLocalRegs>();
     zero_local_p(sm, tid);
-    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
+    walk_items(p, sm, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
     // The value-column block: the warpgroup's own, or with the columns split the item's.
-    for_each_work_item(p, [&](const WorkItem& w, int32_t c0) {
+    auto walk = [&](const WorkItem& w, int32_t c0) {
       fwd_state<Tr>(p, sm, w, c0, Tr::kSplitColumns ? w.col : wg - 2, tid);
-    });
+    };
+    walk_items(p, sm, walk);
     if (tid == 0) bulk_wait_group<0>();  // o's TMA stores (store_output) written before the CTA ends
   }
 #endif

@@ -182,6 +182,42 @@ __device__ __forceinline__ void for_each_work_item(const FwdParams& p, F&& walk)
   }
 }
 
+// The same walk with its two counters in shared memory (`slot`, the calling warp's own) instead
+// of registers live across walk(): for a role whose body needs every register it has (the state
+// role with a split state, where ptxas otherwise kept the counters on the stack: 16 bytes of
+// spill stores and loads once per item, bench/NOTES.md step 39). Lane 0 writes the slot; each
+// item's next values are written before its body runs, so nothing of the walk stays live across it.
+template <class F>
+__device__ __forceinline__ void for_each_work_item(const FwdParams& p, int32_t (&slot)[2], F&& walk) {
+  volatile int32_t* counters = slot;
+  // The lane read anew at each use (%laneid, volatile): held across walk(), it was spilled.
+  auto lane0 = [] {
+    uint32_t lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane == 0;
+  };
+  if (lane0()) {
+    counters[0] = static_cast<int32_t>(blockIdx.x);
+    counters[1] = 0;
+  }
+  __syncwarp();
+  for (;;) {
+    // (broadcast from lane 0: the compiler then keeps them, and the item's fields, in uniform
+    // registers)
+    const int32_t index = __shfl_sync(0xffffffffu, counters[0], 0);
+    const int32_t c0 = __shfl_sync(0xffffffffu, counters[1], 0);
+    if (index >= p.units) break;
+    const WorkItem w = fwd_work_item(p, index);
+    __syncwarp();
+    if (lane0()) {
+      counters[0] = index + static_cast<int32_t>(gridDim.x);
+      counters[1] = c0 + (w.active ? w.nchunks : 0);
+    }
+    __syncwarp();
+    if (w.active) walk(w, c0);
+  }
+}
+
 // Stage and phase parity of the i-th use of a ring of kStages buffers.
 template <int kStages>
 struct RingPos {

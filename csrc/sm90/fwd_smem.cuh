@@ -56,6 +56,10 @@ struct FwdSmem {
   // in_full: the TMA tiles landed; in_ready: gates and norms written too (rows zeroed/rescaled).
   Mbarrier in_full[Tr::kInStages], in_ready[Tr::kInStages], in_empty[Tr::kInStages];
   Mbarrier local_full[Tr::kLocalStages], local_empty[Tr::kLocalStages];
+
+  // The walk's counters (unit index, chunks walked) of every warp, where the roles keep them out
+  // of registers (split state: fwd_kernel.cuh, walk_items).
+  int32_t walk[Tr::kThreads / 32][2];
 };
 
 // Dynamic shared memory the kernel asks for: the struct plus room to align its start to 1024.
