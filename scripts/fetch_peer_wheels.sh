@@ -11,9 +11,9 @@
 #   part b   nvidia-cutlass-dsl-libs-cu13 4.8.1 (the CuTe DSL's MLIR library and runtime for CUDA 13:
 #            a 92 MB wheel, 227 MB installed)
 #
-#   .whl/peers-1/peers.tar.xz.piece0-of-N, .whl/peers-2/...piece1-of-N, ...   (PIECE_MIB=36 each)
+#   .whl/peers-1/peers.tar.xz.piece0-of-N, .whl/peers-2/...piece1-of-N, ...   (PIECE_MIB=28 each)
 #
-# A device call carries the working tree (~26 MB) and one piece, under its 64 MiB; the packages
+# A device call carries the working tree (~33 MB) and one piece, under its 64 MiB; the packages
 # the device image already has (torch, triton, numpy, einops, tqdm, cuda-bindings, ...) are not
 # fetched. Then it prints how to install them on the device.
 #
@@ -71,7 +71,7 @@ stage "$WORK/b" "${PART_B[@]}"
 # Both parts go into one xz stream, cut into pieces of $PIECE_MIB MiB, one folder each
 # (.whl/peers-1, .whl/peers-2, ...): a device call carries the working tree and one piece, under
 # its 64 MiB. The device gathers the pieces and unpacks once it has them all (gpu_bench.sh unpack).
-PIECE_MIB=${PIECE_MIB:-36}
+PIECE_MIB=${PIECE_MIB:-28}
 rm -rf "$DEST"/peers-*
 tmp="$WORK/peers.tar.xz"
 echo "== packing $tmp (xz -9e, one thread: ~10 minutes)" >&2

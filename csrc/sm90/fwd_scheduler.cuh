@@ -70,8 +70,8 @@ __device__ __forceinline__ bool cp_movable(const int32_t* warm, int32_t hv, int4
 }
 
 // The item of unit index `index` (p.units of them). Without CP: (sequence, value head[, column
-// block]), the value heads of one sequence adjacent, so that CTAs sharing q/k (GVA) run together and share those
-// loads through L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
+// block]), the value heads of one sequence adjacent, so that CTAs sharing q/k (GVA) run together
+// and share those loads through L2. With CP, the plan's tables name the unit (fwd_context_parallel.h):
 //   phase 1: indices [0, max_slots Hv) compute the transfer matrix M of an exact segment; the
 //            rest run the plan's items: whole sequences, first segments (from h0), warm-up
 //            segments (from zero, W chunks early) and the local states N of exact segments;
@@ -183,9 +183,9 @@ __device__ __forceinline__ void for_each_work_item(const FwdParams& p, F&& walk)
 }
 
 // The same walk with its two counters in shared memory (`slot`, the calling warp's own) instead
-// of registers live across walk(): for a role whose body needs every register it has (the state
-// role with a split state, where ptxas otherwise kept the counters on the stack: 16 bytes of
-// spill stores and loads once per item, bench/NOTES.md step 39). Lane 0 writes the slot; each
+// of registers live across walk(): for roles whose bodies need every register they have (the
+// whole-warp roles of the split-state kernels, walk_items in fwd_kernel.cuh, where ptxas otherwise
+// kept the counters on the stack once per item, bench/NOTES.md step 39). Lane 0 writes the slot; each
 // item's next values are written before its body runs, so nothing of the walk stays live across it.
 template <class F>
 __device__ __forceinline__ void for_each_work_item(const FwdParams& p, int32_t (&slot)[2], F&& walk) {
