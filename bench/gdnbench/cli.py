@@ -7,7 +7,6 @@ import datetime as _dt
 import gc
 import os
 import platform
-import re
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Callable, Dict, List
 
 from . import configs as C
 from . import report
+from .calls import classify, make_fn, poisoned
 
 CHECK_LAYOUT = C.CHECK_LAYOUT
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -97,11 +97,6 @@ def _driver() -> str:
         return "?"
 
 
-def gpu_slug(name: str) -> str:
-    s = name.lower().replace("nvidia", "").strip()
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
-
-
 def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     props = torch.cuda.get_device_properties(0)
     try:
@@ -166,43 +161,7 @@ def _versions(loaded: Dict) -> Dict[str, str]:
     return out
 
 
-# ---- one contender on one cell --------------------------------------------------------------
-
-def classify(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".lower()
-    if isinstance(e, (NotImplementedError, AssertionError, ValueError)) or re.search(
-            r"not supported|unsupported|refus|only support|requires? |must be|incorrect results", msg):
-        return "refused"
-    return "failed"
-
-
-def _poisoned(e: BaseException) -> bool:
-    m = str(e).lower()
-    return any(s in m for s in ("illegal memory access", "illegal instruction", "unspecified launch failure",
-                                "device-side assert", "misaligned address", "cuda error: an illegal"))
-
-
-def make_fn(torch, c, x: Dict, mode: str, stream):
-    """The callable that is timed for one converted input set."""
-    if mode == "fwd":
-        def fwd():
-            with torch.no_grad():
-                return c.call(x)
-        return fwd
-    leaves = [x[n] for n in ("q", "k", "v", "g", "beta", "h0")]
-    if mode == "fwdbwd":
-        def fwdbwd():
-            o, ht = c.call(x)
-            return torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]))
-        return fwdbwd
-    with torch.cuda.stream(stream):  # backward alone: the forward once, outside the timed call
-        o, ht = c.call(x)
-    torch.cuda.current_stream().wait_stream(stream)
-
-    def bwd():
-        return torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]), retain_graph=True)
-    return bwd
-
+# ---- one contender on one cell (its call and errors: calls.py) -----------------------------
 
 def accuracy_check(torch, c, inp: Dict, ref: Dict, with_grads: bool) -> Dict:
     """Relative L2 errors of o and the final state and, with_grads, of the gradients; a backward
@@ -230,7 +189,7 @@ def accuracy_check(torch, c, inp: Dict, ref: Dict, with_grads: bool) -> Dict:
             res["grad_status"] = "ok"
         except Exception as e:
             res["grad_status"] = f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"
-            if _poisoned(e):
+            if poisoned(e):
                 raise
     return res
 
@@ -395,7 +354,7 @@ def main(argv=None) -> int:
             acc[n] = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
             say(f"  check {n}: {acc[n]['status']}")
             say(traceback.format_exc(), to_log_only=True)
-            if _poisoned(e):
+            if poisoned(e):
                 state["poisoned"] = f"CUDA context lost in {n}'s accuracy check"
         if grads and obj.has_backward:
             for t in ("q", "k", "v", "g", "beta", "h0"):
@@ -481,7 +440,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 row.update(status=classify(e), reason=f"{type(e).__name__}: {str(e)[:300]}")
                 say(f"--- {cell.key} {n}\n{traceback.format_exc()}", to_log_only=True)
-                if _poisoned(e):
+                if poisoned(e):
                     state["poisoned"] = f"CUDA context lost after {n} failed on {cell.key}"
             finally:
                 xs = fns = None

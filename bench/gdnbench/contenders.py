@@ -9,7 +9,7 @@ scale = K^-0.5, the initial state, output_final_state=True and use_qk_l2norm_in_
 
 A contender that does not import gives Unavailable (its cells say "not installed: ..."); one that
 refuses a cell up front returns the reason from ``refuses``; an exception at call time becomes a
-"refused" or "failed" cell (cli.classify).
+"refused" or "failed" cell (calls.classify).
 """
 from __future__ import annotations
 

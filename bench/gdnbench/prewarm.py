@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import configs as C
+from .calls import classify, make_fn
 
 PEER_ORDER = ("flashqla", "fla", "flashinfer")  # slowest compilers first
 RESULT_TAG = "PREWARM-RESULT "
@@ -120,7 +121,6 @@ def run_task(spec: Dict) -> Dict:
     backward's refusal does not depend on the layout)."""
     import torch
 
-    from .cli import classify, make_fn
     from .contenders import ALL
     from .inputs import make_inputs
 

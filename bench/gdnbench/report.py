@@ -8,6 +8,7 @@ import argparse
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Dict, List
 
@@ -21,10 +22,13 @@ CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode",
               "floor_flop", "floor_bytes", "wall_s", "warmup_running"]
 
 
+def gpu_slug(name: str) -> str:
+    s = name.lower().replace("nvidia", "").strip()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+
+
 def default_out_dir(hdr: Dict) -> Path:
     """bench/results/<gpu>-<date>/ next to this package."""
-    from .cli import gpu_slug
-
     return Path(__file__).resolve().parents[1] / "results" / f"{gpu_slug(hdr['gpu'])}-{hdr['date'][:10]}"
 
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "api/validate.h"
+#include "common/error.h"
 #include "cpu/cpu_backend.h"
 #include "flashgdn/flashgdn.h"
 #ifdef FLASHGDN_WITH_CUDA

@@ -3,21 +3,13 @@
 // argument, what was expected and what was given.
 #pragma once
 
-#include <stdexcept>
 #include <string>
 
+#include "common/error.h"
 #include "common/problem.h"
 #include "flashgdn/flashgdn.h"
 
 namespace flashgdn {
-
-struct InvalidArgument : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-// Valid input that this build or backend cannot run.
-struct NotSupported : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // The head dimensions each backend supports.
 bool cpu_supports_head_dim(int64_t d);

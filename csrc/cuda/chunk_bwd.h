@@ -1,9 +1,11 @@
 // CUDA backward of the chunked gated delta rule (chunk 64), sm_90a.
 //
-// launch_backward recomputes the chunk-start states with the forward helper's launcher,
-// runs a reverse sequential pass over the chunks of every (sequence, value head) carrying
-// dS in fp32, computes the per-chunk gradients in parallel and reduces dq/dk over the value
-// heads of a GVA group (and dA_log / ddt_bias) deterministically, in a fixed order.
+// launch_backward prepares every chunk (chunk_bwd_prep.cu), recomputes the chunk-start states
+// with a kernel of its own (chunk_bwd_state.cu: split-bf16 products, about fp32 accuracy; the
+// sm90 forward is not called), runs a reverse sequential pass over the chunks of every
+// (sequence, value head) carrying dS in fp32, computes the per-chunk gradients in parallel and
+// reduces dq/dk over the value heads of a GVA group (and dA_log / ddt_bias) deterministically,
+// in a fixed order.
 // No floating-point atomics, no host synchronisation (graph capturable), int64 offsets.
 #pragma once
 

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "cuda/device_utils.cuh"
+#include "sm90/occupancy_cache.h"
 
 namespace flashgdn::sm90 {
 
@@ -33,19 +34,28 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   FGDN_CHECK_LAUNCH(what);
 }
 
-// The CTAs of kKernel resident at once on an SM with `bytes` of dynamic shared memory (at least
-// one), after the opt-in to that many bytes, made on every call (it holds for the current device
-// only). The count is a property of the kernel on sm_90, the only architecture it runs on: it is
-// queried once per kernel, whose threads and bytes are the same on every call.
+// The one cache of resident-CTA counts that every launcher of this library shares.
+inline OccupancyCache& occupancy_cache() {
+  static OccupancyCache cache;
+  return cache;
+}
+
+// The CTAs of kKernel resident at once on an SM of the current device with `threads` threads and
+// `bytes` of dynamic shared memory (at least one). The opt-in to that many bytes is made on every
+// call: it is a per-device attribute of the kernel that a call with other bytes or on another
+// device may have changed since. The occupancy query runs once per (kernel, device, threads,
+// bytes); later calls read its count from occupancy_cache().
 template <auto kKernel>
 int resident_ctas_per_sm(int threads, size_t bytes) {
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  static const int per_sm = [threads, bytes] {
+  int device = 0;
+  FGDN_CUDA_CHECK(cudaGetDevice(&device));
+  const OccupancyKey key{reinterpret_cast<const void*>(kKernel), device, threads, bytes};
+  return occupancy_cache().get(key, [threads, bytes] {
     int n = 0;
     FGDN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, bytes));
     return std::max(n, 1);
-  }();
-  return per_sm;
+  });
 }
 
 }  // namespace flashgdn::sm90

@@ -1,6 +1,9 @@
 // The closed list of Hopper forward kernels: head dim {64, 128} x operand type {bf16, fp16}, each
-// with the three precision schemes, one translation unit per (head dim, type) under
+// with both precision schemes (Precision::kFast, kHigh: fwd_traits.cuh) and, at D = 128, whole or
+// column-split CTAs (12 kernels), one translation unit per (head dim, type) under
 // csrc/sm90/instantiations/ so that they compile in parallel.
+// scripts/gen_sm90_instantiations.py reads FGDN_SM90_FWD_INSTANTIATIONS below and writes those
+// units; its --check (a ctest) fails when they and this list disagree.
 #pragma once
 
 #include <cuda_bf16.h>

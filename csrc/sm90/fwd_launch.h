@@ -5,7 +5,7 @@
 
 #include <cstddef>
 
-#include "api/validate.h"
+#include "common/error.h"
 #include "common/problem.h"
 #include "flashgdn/flashgdn.h"
 #include "sm90/fwd_traits.cuh"
