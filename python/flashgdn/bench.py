@@ -3,7 +3,7 @@
 flashgdn alone: the forward (inference, no autograd) and, with --backward, forward + backward;
 a few warm-up calls, then the median of the timed calls (CUDA events on a GPU, the wall clock on
 the CPU backend). --check also prints the relative L2 errors against the float64 oracle
-(``flashgdn.reference``, which needs numpy: ``pip install flashgdn[oracle]``). Comparisons with
+(``flashgdn.reference``, which needs numpy: the ``oracle`` extra). Comparisons with
 other libraries are the repository's peer benchmark (bench/README.md), not part of the package.
 
     python -m flashgdn.bench --heads 16/64 --T 8192 --backward

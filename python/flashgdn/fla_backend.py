@@ -16,8 +16,7 @@ set later it turns the backend off from the next call (FLA reads ``env_var`` per
 switch working for programs that set it after importing flashgdn (the repository's peer
 benchmark, bench/run.py, does).
 ``register()`` registers by hand (e.g. with another priority). The verifier accepts exactly the calls flashgdn runs
-with FLA's meaning and declines the rest, with the reason FLA logs at INFO level
-(``logging.getLogger("fla.backends")``), so FLA runs them itself:
+with FLA's meaning and declines the rest, so FLA runs them itself:
 
 * FLA's arguments only (a keyword FLA 0.6 does not take is declined, since FLA would ignore it);
   no ``cp_context``; ``head_first`` false; ``chunk_size`` 16, 32 or 64 (flashgdn uses 64);
@@ -27,6 +26,13 @@ with FLA's meaning and declines the rest, with the reason FLA logs at INFO level
   or float16; initial states float32, bfloat16 or float16;
 * on the CPU head dims K, V in {16, 32, 64, 128, 256}; on CUDA a build with the CUDA backend, a
   device of compute capability 9.0 and K = V in {64, 128}.
+
+A declined call is not silent. FLA logs the reason at INFO level only
+(``logging.getLogger("fla.backends")``), so the backend says it itself: on CUDA (and any device
+but the CPU) the call still goes to FLA's kernels, with a ``DeclinedWarning`` once per distinct
+reason; on CPU tensors, which FLA's Triton kernels cannot run (they fail with "0 active drivers"),
+the backend takes the call and raises ``DeclinedError`` (a ValueError) with flashgdn's reason
+instead. A call that does not bind to FLA's signature is left to FLA's own TypeError.
 
 The backend returns what FLA returns: ``(o, final_state)``, ``o`` in q's dtype and the final
 state in float32 whatever the initial state's dtype (``flashgdn.chunk_gated_delta_rule``'s
@@ -43,6 +49,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import warnings
 from typing import Any, Optional, Tuple
@@ -50,7 +57,8 @@ from typing import Any, Optional, Tuple
 import torch
 
 __all__ = ["BACKEND_TYPE", "ENV_VAR", "PRIORITY", "PRIORITY_ENV_VAR", "MIN_FLA_VERSION",
-           "verify", "run", "make_backend_class", "register", "register_if_installed"]
+           "DeclinedError", "DeclinedWarning", "verify", "verify_dispatch", "run", "make_backend_class",
+           "register", "register_if_installed"]
 
 BACKEND_TYPE = "flashgdn"
 ENV_VAR = "FLASHGDN_FLA_BACKEND"
@@ -77,6 +85,16 @@ _QKV_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
 _SCALAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HEAD_DIMS_CPU = (16, 32, 64, 128, 256)
 _HEAD_DIMS_CUDA = (64, 128)
+
+
+class DeclinedError(ValueError):
+    """A call of FLA's ``chunk_gated_delta_rule`` on CPU tensors that flashgdn declines: FLA's own
+    kernels (Triton) need a GPU, so no backend can run it; the message says why flashgdn declined."""
+
+
+class DeclinedWarning(UserWarning):
+    """flashgdn declined a call of FLA's ``chunk_gated_delta_rule`` and FLA runs it on its own
+    kernels; issued once per distinct reason."""
 
 
 def _bind(args, kwargs) -> dict:
@@ -191,12 +209,61 @@ def _verify(*args, **kwargs) -> Tuple[bool, Optional[str]]:
     return True, None
 
 
+def _device_type(args, kwargs) -> Optional[str]:
+    """q's device type ("cpu", "cuda", ...) when the call binds to FLA's signature with q a tensor,
+    else None."""
+    try:
+        q = _bind(args, kwargs)["q"]
+    except TypeError:
+        return None
+    return q.device.type if isinstance(q, torch.Tensor) else None
+
+
+_warned: set = set()
+
+
+def _plain(reason: Optional[str]) -> str:
+    r = str(reason)
+    return r[len("flashgdn: "):] if r.startswith("flashgdn: ") else r
+
+
+def verify_dispatch(*args, **kwargs) -> Tuple[bool, Optional[str]]:
+    """The verifier the registered backend gives FLA: ``verify``, except that a declined call is
+    never silent. On CPU tensors it is accepted, so that ``run`` raises ``DeclinedError`` with the
+    reason (FLA's Triton kernels cannot run it either); elsewhere it is declined with a
+    ``DeclinedWarning`` once per distinct reason (numbers aside) and FLA runs it. A call that does
+    not bind to FLA's signature (or whose q is no tensor) is declined quietly: FLA's own function
+    raises its error."""
+    ok, reason = verify(*args, **kwargs)
+    if ok:
+        return ok, reason
+    dev = _device_type(args, kwargs)
+    if dev is None:  # not FLA's call: FLA's own function raises its error
+        return False, reason
+    if dev == "cpu":
+        return True, None
+    key = re.sub(r"\d+", "#", str(reason))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"flashgdn declined a call of FLA's chunk_gated_delta_rule: {_plain(reason)}; FLA runs it "
+                      f"on its own kernels ({ENV_VAR}=0 leaves FLA's calls to FLA)", DeclinedWarning, stacklevel=2)
+    return False, reason
+
+
 def run(*args, **kwargs):
     """Runs an accepted call of FLA's ``chunk_gated_delta_rule`` on flashgdn: ``(o, final_state)``
     with FLA's dtypes (o in q's dtype, the final state float32: flashgdn's call returns FLA's
-    dtypes by default)."""
+    dtypes by default). A call on CPU tensors that ``verify`` declines (``verify_dispatch`` lets
+    it through) raises ``DeclinedError`` with the reason."""
     from .ops import chunk_gated_delta_rule
 
+    if _device_type(args, kwargs) == "cpu":
+        ok, reason = verify(*args, **kwargs)
+        if not ok:
+            raise DeclinedError(
+                f"flashgdn declined FLA's chunk_gated_delta_rule on CPU tensors: {_plain(reason)}. FLA's own "
+                f"kernels (Triton) need CUDA tensors, so nothing can run this call on the CPU: change it to one "
+                f"flashgdn takes (docs/engines.md), or move the tensors to a GPU for FLA's kernels")
     return chunk_gated_delta_rule(**_bind(args, kwargs))
 
 
@@ -226,7 +293,7 @@ def make_backend_class(backends: Any, priority: Optional[int] = None) -> type:
         priority = prio
 
         def chunk_gated_delta_rule_verifier(self, *args, **kwargs):
-            return verify(*args, **kwargs)
+            return verify_dispatch(*args, **kwargs)
 
         def chunk_gated_delta_rule(self, *args, **kwargs):
             return run(*args, **kwargs)

@@ -12,7 +12,7 @@ negative index); the returned ``final_state`` and ``dh0`` are per sequence, [N, 
 
 numpy is needed here only (the binding returns the oracle's results as numpy arrays); ``import
 flashgdn`` does not import this module, and the package does not require numpy
-(``pip install flashgdn[oracle]`` adds it).
+(its ``oracle`` extra, ``pip install ".[oracle]"`` from a clone, adds it).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import Optional
 
 try:
     import numpy as np
-except ImportError as e:  # numpy is optional for flashgdn; the oracle needs it (flashgdn[oracle])
+except ImportError as e:  # numpy is optional for flashgdn; the oracle needs it (the oracle extra)
     raise ImportError("flashgdn.reference (the float64 oracle) needs numpy, which flashgdn does not "
-                      "require: pip install numpy (or flashgdn[oracle])") from e
+                      "require: pip install numpy (or the 'oracle' extra: pip install \".[oracle]\" in a clone)") from e
 
 from . import _C
 

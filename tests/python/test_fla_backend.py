@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -219,9 +220,14 @@ def test_register_with_a_stand_in_registry(monkeypatch):
     check("final_state", ht, ref["final_state"], c, 6e-3)
     assert ht.dtype == torch.float32
 
-    # a call flashgdn declines goes to FLA's own function
-    who, out = fake.call("gated_delta_rule", chunk_gated_delta_rule_fla_default, *args, cp_context=object(), **kw)
+    # a call flashgdn declines goes to FLA's own function, with a warning (off the CPU: meta
+    # tensors stand in for CUDA ones here); on the CPU, where FLA's kernels cannot run, it raises
+    meta = tuple(x.to("meta") for x in c.inputs())
+    with pytest.warns(fla_backend.DeclinedWarning, match="cp_context"):
+        who, out = fake.call("gated_delta_rule", chunk_gated_delta_rule_fla_default, *meta, cp_context=object())
     assert (who, out) == ("default", "fla's own kernels")
+    with pytest.raises(fla_backend.DeclinedError, match="cp_context"):
+        fake.call("gated_delta_rule", chunk_gated_delta_rule_fla_default, *args, cp_context=object(), **kw)
     # the environment switch, read per call
     monkeypatch.setenv(fla_backend.ENV_VAR, "0")
     assert not inst.is_enabled()
@@ -229,6 +235,55 @@ def test_register_with_a_stand_in_registry(monkeypatch):
     assert who == "default"
     monkeypatch.setenv("FLA_FLASHGDN", "1")  # FLA's own override for a backend type
     assert inst.is_enabled()
+
+
+def _dispatcher(monkeypatch):
+    monkeypatch.delenv(fla_backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(fla_backend, "_warned", set())
+    fake = FakeBackends()
+    fla_backend.register(fake)
+    return lambda *a, **kw: fake.call("gated_delta_rule", chunk_gated_delta_rule_fla_default, *a, **kw), fake
+
+
+def test_declined_cpu_call_raises_with_the_reason(monkeypatch):
+    """A call on CPU tensors that flashgdn declines cannot run on FLA's kernels either (Triton
+    needs a GPU: "0 active drivers"), so it raises flashgdn's reason instead of falling through;
+    a call that does not bind to FLA's signature is still left to FLA."""
+    call, fake = _dispatcher(monkeypatch)
+    c = _case(K=100, V=100)
+    with pytest.raises(fla_backend.DeclinedError, match=r"head dims K=100, V=100 .*need CUDA tensors"):
+        call(*c.inputs(), cu_seqlens=c.cu_seqlens)
+    c32 = _case()
+    with pytest.raises(fla_backend.DeclinedError, match=r"\['bogus'\] are not FLA 0.6's") as e:
+        call(*c32.inputs(), cu_seqlens=c32.cu_seqlens, bogus=1)
+    assert isinstance(e.value, ValueError)
+    assert fake.fallbacks == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FLA raises its own TypeError: no warning from flashgdn
+        assert call(c32.q, c32.k) == ("default", "fla's own kernels")
+    # what flashgdn runs still runs, and verify() itself still declines with the reason
+    who, _ = call(*c32.inputs(), cu_seqlens=c32.cu_seqlens)
+    assert who == "flashgdn"
+    assert fla_backend.verify(*c.inputs(), cu_seqlens=c.cu_seqlens)[0] is False
+
+
+def test_declined_call_elsewhere_warns_once_per_reason(monkeypatch):
+    """Off the CPU a declined call goes to FLA's kernels as before, but the reason is a warning
+    (FLA logs it at INFO level only), once per distinct reason whatever the warning filters."""
+    call, fake = _dispatcher(monkeypatch)
+    c = _case()
+    meta = tuple(x.to("meta") for x in c.inputs())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert call(*meta) == ("default", "fla's own kernels")
+        for T in (40, 41):  # a reason that differs only in its numbers is the same reason
+            m = tuple(x.to("meta") for x in _case(lengths=None, B=1, T=T).inputs())
+            call(*m, cp_context=object())
+    got = [str(x.message) for x in w if issubclass(x.category, fla_backend.DeclinedWarning)]
+    assert len(got) == 2, got
+    assert "device meta" in got[0] and "FLASHGDN_FLA_BACKEND=0" in got[0] and "cp_context" in got[1]
+    assert len(fake.fallbacks) == 5
 
 
 def test_register_priority_and_errors(monkeypatch):
@@ -487,16 +542,34 @@ def test_fla_layer_call_routed(routed):
 
 
 def test_fla_registered_backend_declines_and_switches_off(routed, monkeypatch):
-    """The instance in FLA's registry: its verify declines what flashgdn cannot do (FLA then
-    runs its own kernels), and FLASHGDN_FLA_BACKEND=0 turns it off per call."""
+    """The instance in FLA's registry: its verify declines what flashgdn cannot do off the CPU
+    (FLA then runs its own kernels; meta tensors here), takes it on the CPU to raise the reason,
+    and FLASHGDN_FLA_BACKEND=0 turns it off per call."""
     _, inst, _ = routed
+    monkeypatch.setattr(fla_backend, "_warned", set())
     c = _case()
-    ok, reason = inst.verify("chunk_gated_delta_rule", *c.inputs(), cu_seqlens=c.cu_seqlens, cp_context=object())
+    meta = tuple(x.to("meta") for x in c.inputs())
+    with pytest.warns(fla_backend.DeclinedWarning, match="cp_context"):
+        ok, reason = inst.verify("chunk_gated_delta_rule", *meta, cp_context=object())
     assert not ok and "cp_context" in reason
+    assert inst.verify("chunk_gated_delta_rule", *c.inputs(), cu_seqlens=c.cu_seqlens, cp_context=object()) == (True, None)
     assert inst.verify("chunk_gated_delta_rule", *c.inputs(), cu_seqlens=c.cu_seqlens) == (True, None)
     assert inst.priority == fla_backend.PRIORITY and inst.is_enabled()
     monkeypatch.setenv(fla_backend.ENV_VAR, "0")
     assert not inst.is_enabled()
+
+
+def test_fla_cpu_call_flashgdn_declines_says_why(routed):
+    """FLA's own call on CPU tensors that flashgdn declines (K = V = 100, an unknown keyword):
+    flashgdn's reason, not Triton's "0 active drivers" from FLA's fallback."""
+    fla_chunk, _, calls = routed
+    c = _case(K=100, V=100)
+    with pytest.raises(fla_backend.DeclinedError, match=r"head dims K=100, V=100 .*need CUDA tensors"):
+        fla_chunk(*c.inputs(), cu_seqlens=c.cu_seqlens)
+    c32 = _case()
+    with pytest.raises(fla_backend.DeclinedError, match="bogus"):
+        fla_chunk(*c32.inputs(), cu_seqlens=c32.cu_seqlens, bogus=1)
+    assert calls == [1, 1]  # the backend took both calls, to refuse them with the reason
 
 
 @pytest.mark.gpu
