@@ -282,6 +282,7 @@ int main(int argc, char** argv) {
     fa.context_parallel = opt.cp;
     fa.cp_segment = opt.cp_segment;
     double fwd_ms = 0, bwd_ms = 0;
+    size_t bws_bytes = 0;
     const bool with_backward = opt.backward && prec == opt.precisions.front();
     try {
       // The workspace allocated once, as a caller that runs many steps does (a null workspace
@@ -289,7 +290,11 @@ int main(int argc, char** argv) {
       const size_t ws_bytes = flashgdn::forward_workspace_size(fa);
       Buffer ws(ws_bytes, fa.o.device_type == FGDN_CUDA && ws_bytes > 0);
       fwd_ms = time_ms(opt.iters, [&] { flashgdn::forward(fa, ws.ptr(), ws_bytes); });
-      if (with_backward) bwd_ms = time_ms(opt.iters, [&] { flashgdn::backward(ba); });
+      if (with_backward) {
+        bws_bytes = flashgdn::backward_workspace_size(ba);
+        Buffer bws(bws_bytes, ba.d_o.device_type == FGDN_CUDA && bws_bytes > 0);
+        bwd_ms = time_ms(opt.iters, [&] { flashgdn::backward(ba, bws.ptr(), bws_bytes); });
+      }
     } catch (const flashgdn::Error& e) {
       std::fprintf(stderr, "flashgdn error: %s\n", e.what());
       return 1;
@@ -300,6 +305,7 @@ int main(int argc, char** argv) {
     std::printf("| forward | %.3f |\n", fwd_ms);
     if (with_backward)
       std::printf("| backward | %.3f |\n| forward+backward | %.3f |\n", bwd_ms, fwd_ms + bwd_ms);
+    if (with_backward) std::printf("\nbackward workspace: %.3f GB\n", static_cast<double>(bws_bytes) / 1e9);
     if (!opt.check) continue;
     std::printf("\n| tensor | rel. L2 error vs float64 oracle |\n|---|---|\n");
     const struct {

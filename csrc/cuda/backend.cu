@@ -29,8 +29,8 @@ void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* st
   sm90::forward(p, a, forward_precision(p.precision), workspace, static_cast<cudaStream_t>(stream));
 }
 
-size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& /*a*/) {
-  return backward_workspace_bytes(p);
+size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& a) {
+  return backward_workspace_bytes(p, a.in);
 }
 
 // The grids of the forward (sm90: one CTA per sequence x value head; TMA coordinates of tokens

@@ -1,6 +1,6 @@
 // Backward launcher: workspace layout and the kernel chain (see chunk_bwd.h).
-//   1. prep    (per chunk)     qn/kn, c, T, W, U, local dv            chunk_bwd_prep.cu
-//   2. state   (per sequence)  chunk-start states h, V_new            chunk_bwd_state.cu
+//   1. states  (per sequence)  chunk-start states h (Hopper forward)  chunk_bwd_state.cu
+//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl    chunk_bwd_prep.cu
 //   3. dh      (per sequence)  reverse pass: dh, dV_new, dh0          chunk_bwd_dh.cu
 //   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu
 //   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu
@@ -15,13 +15,14 @@ namespace {
 
 struct Layout {
   size_t off[14];
+  size_t gpart, first_row, fwd;  // per-chunk gate sums; chunk_bwd_state.cu's rows and forward
   size_t total;
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
-// Element counts (fp32) of the workspace regions, in BwdParams order.
-Layout make_layout(const Problem& p) {
+// Element counts (fp32) of the workspace regions, in BwdParams order, then the states' scratch.
+Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   const size_t S = static_cast<size_t>(num_chunk_slots(p));
   const size_t D = static_cast<size_t>(p.K), C = bwd::kC;
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
@@ -29,7 +30,7 @@ Layout make_layout(const Problem& p) {
       S * C * Hq * D, S * C * Hq * D,  // qn, kn
       S * C * Hq, S * C * Hq,          // rq, rk
       S * Hv * C,                      // cg
-      S * Hv * D * D, S * Hv * D * D,  // h, dh
+      (S + 1) * Hv * D * D, S * Hv * D * D,  // h (one spare row), dh
       S * Hv * C * C,                  // Tm
       S * Hv * C * D, S * Hv * C * D, S * Hv * C * D,  // W, vn, dvn
       S * Hv * C * D, S * Hv * C * D,  // dqh, dkh
@@ -41,7 +42,12 @@ Layout make_layout(const Problem& p) {
     L.off[i] = o;
     o += align256(n[i] * sizeof(float));
   }
-  L.total = o + align256(S * Hv * 2 * sizeof(float));  // gpart
+  L.gpart = o;
+  o += align256(S * Hv * 2 * sizeof(float));
+  L.first_row = o;
+  o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+  L.fwd = o;
+  L.total = o + align256(bwd::states_workspace_bytes(p, in));
   return L;
 }
 
@@ -59,7 +65,9 @@ bwd::Tensor4 t4(const fgdn_tensor& t) {
 
 }  // namespace
 
-size_t backward_workspace_bytes(const flashgdn::Problem& p) { return make_layout(p).total; }
+size_t backward_workspace_bytes(const flashgdn::Problem& p, const fgdn_inputs& in) {
+  return make_layout(p, in).total;
+}
 
 void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* workspace,
                      cudaStream_t stream) {
@@ -108,16 +116,16 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.ddt_bias = static_cast<float*>(a.ddt_bias.data);
   P.dh0 = t4(a.dh0);
 
-  const Layout L = make_layout(p);
+  const Layout L = make_layout(p, in);
   char* w = static_cast<char*>(workspace);
   float** dst[14] = {&P.qn, &P.kn, &P.rq, &P.rk, &P.cg, &P.h, &P.dh,
                      &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
   for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);
-  P.gpart = reinterpret_cast<float*>(w + L.total - align256(num_chunk_slots(p) * p.Hv * 2 * sizeof(float)));
+  P.gpart = reinterpret_cast<float*>(w + L.gpart);
 
   const bool any_chunks = P.num_chunks > 0;
+  if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
   if (any_chunks) bwd::launch_bwd_prep(P, stream);
-  if (P.N > 0) bwd::launch_bwd_state(P, stream);
   if (P.N > 0) bwd::launch_bwd_dh(P, stream);
   if (any_chunks) {
     bwd::launch_bwd_dqk(P, stream);

@@ -14,6 +14,7 @@
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
+#include "common/problem.h"
 #include "flashgdn/flashgdn.h"
 
 namespace flashgdn::cuda::bwd {
@@ -59,7 +60,8 @@ struct BwdParams {
   float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (l2norm only)
   float* rk;    // [num_chunks * 64, Hq]
   float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
-  float* h;     // [num_chunks * Hv, D, D]   chunk-start states (S_0 of each chunk)
+  float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
+                //                           spare row: chunk_bwd_state.cu)
   float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
   float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
@@ -132,7 +134,7 @@ __device__ __forceinline__ void block_gemm(const FA& fa, const FB& fb, const FE&
   }
 }
 
-// ---- the sequential passes (chunk_bwd_state, chunk_bwd_dh): one chunk of a sequence --------
+// ---- the sequential pass (chunk_bwd_dh): one chunk of a sequence ----------------------------
 struct SeqChunk {
   int64_t gc;  // chunk slot
   int64_t r;   // workspace row gc * Hv + h
@@ -174,8 +176,12 @@ void dispatch_dim_type(const BwdParams& P, F&& f) {
 }
 
 // ---- host-side launchers (one per file) -------------------------------------------------------
-void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qn/kn, c, T, W, U, local dv
-void launch_bwd_state(const BwdParams& P, cudaStream_t s);      // forward pass: h, V_new
+// chunk-start states h by the Hopper forward (first_row: [N] int64 scratch; fwd_workspace:
+// states_workspace_bytes(p, in) bytes)
+size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
+void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, int64_t* first_row,
+                       void* fwd_workspace, cudaStream_t s);
+void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qn/kn, c, T, W, V_new, local dv
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
 void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part)

@@ -4,8 +4,9 @@
 //  chunk_prep: c (in-chunk cumulative sum of the gates floored at -128, common/numerics.h),
 //              A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward
 //              substitution), W = T diag(beta exp(c)) Kn,
-//              U = T diag(beta) V (into vn; the state pass subtracts W h), and the local part
-//              of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (into dvn).
+//              V_new = U - W h with U = T diag(beta) V and h the chunk-start state (step 1),
+//              and the local part of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D)
+//              (into dvn).
 #include "cuda/chunk_bwd_internal.cuh"
 
 namespace flashgdn::cuda::bwd {
@@ -134,6 +135,14 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
       [&](int i, int j) { return s_T[i * kLd + j]; },
       [&](int j, int vv) { return j < len ? s_beta[j] * to_float(vg[j * P.v.s1 + vv]) : 0.f; },
       [&](int i, int vv, float v) { vng[i * D + vv] = v; });
+  // V_new = U - W h: block_gemm gives each thread the same (i, vv) elements of a 64 x D result
+  // in both products, so each subtracts from what it wrote itself; the barrier makes W visible.
+  __syncthreads();
+  const float* hg = P.h + r * D * D;
+  block_gemm<kC, D, D>(
+      [&](int i, int a) { return Wg[i * D + a]; },
+      [&](int a, int vv) { return hg[a * D + vv]; },
+      [&](int i, int vv, float v) { vng[i * D + vv] -= v; });
 
   // P = scale lower(Qn Kn^T (.) D) (diagonal included), then dvl = P^T dO
   block_gemm<kC, kC, D>(

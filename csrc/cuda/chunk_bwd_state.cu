@@ -1,74 +1,61 @@
-// Backward, step 2: the forward state pass (sequential over the chunks of a sequence).
+// Backward, step 1: the chunk-start states h (fp32, [slot, Hv, K, V]) of every chunk.
 //
-// One block per (sequence, value head, 32 state columns): the columns of S are independent
-// (V_new[:, v] depends only on S[:, v]). Per chunk, in order:
-//   h[chunk] = S ;  V_new = U - W S ;  S <- exp(c_L) S + (Kn (.) exp(c_L - c))^T V_new
-// starting from the initial state (pool row state_indices[n]; zero for a negative index or
-// none). Matrix products on tensor cores with split-bf16 operands (about fp32 accuracy).
+// The Hopper forward computes them (sm90::chunk_states): run without o, it checkpoints the state
+// after every chunk, and the state after chunk j of sequence n is the start state of chunk j + 1,
+// so its checkpoint rows start at first_row[n] = slot(n, 0) + 1 and land on slot(n, j + 1). The
+// end of a sequence's last chunk lands on a surplus slot (varlen), on the next sequence's first
+// slot (dense) or on the extra row past the last slot: start_states_kernel, launched after the
+// forward on the same stream, writes every sequence's first slot with its initial state.
 #include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/fwd_launch.h"
 
 namespace flashgdn::cuda::bwd {
 
 namespace {
 
-constexpr int kVs = 32;  // state columns per block
+__global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
+  const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= seq.N) return;
+  first_row[n] = chunk_slot(seq, n, 0, seq_info(seq, n).t0) + 1;
+}
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) state_kernel(BwdParams P) {
+// h[slot(n, 0)] = the initial state of sequence n in [K, V] order (its pool row, read exactly in
+// its dtype; zero without one or for a negative index). One block per (sequence, value head).
+__global__ void start_states_kernel(BwdParams P) {
   const int64_t n = blockIdx.x, h = blockIdx.y;
-  const int v0 = blockIdx.z * kVs;
-  const int64_t hq = h / P.group;
   const SeqInfo si = seq_info(P.seq, n);
-  __shared__ float s_S[D * kVs];
-  __shared__ float s_c[kC], s_e[kC];
-  const int tid = threadIdx.x;
-
+  if (si.len == 0) return;
   int64_t row = -1;
   if (P.has_initial_state) row = P.has_state_indices ? load_index(P.state_indices, P.idx_dtype, n) : n;
-  for (int e = tid; e < D * kVs; e += kThreads) {
-    const int a = e / kVs, v = e % kVs;
+  const int64_t D = P.D;
+  float* out = P.h + (chunk_slot(P.seq, n, 0, si.t0) * P.Hv + h) * D * D;
+  for (int64_t e = threadIdx.x; e < D * D; e += blockDim.x) {
+    const int64_t a = e / D, v = e % D;
     float x = 0.f;
-    if (row >= 0) {  // the initial state in its dtype (fp32 | bf16 | fp16), exactly to float
+    if (row >= 0) {
       const int64_t base = row * P.h0.s0 + h * P.h0.s1;
-      x = load_as_float(P.h0.data, P.h0.dtype,
-                        P.state_v_first ? base + (v0 + v) * P.h0.s2 + a : base + a * P.h0.s2 + v0 + v);
+      x = load_as_float(P.h0.data, P.h0.dtype, P.state_v_first ? base + v * P.h0.s2 + a : base + a * P.h0.s2 + v);
     }
-    s_S[e] = x;
-  }
-  const int64_t nch = ceil_div(si.len, kC);
-  const int64_t lds = P.Hq * D;
-  for (int64_t j = 0; j < nch; ++j) {
-    const SeqChunk ch = begin_seq_chunk(P, n, h, si, j, s_c);
-    const int64_t gc = ch.gc, r = ch.r;
-    const int L = ch.L;
-    const float cL = s_c[L - 1];
-    if (tid < kC) s_e[tid] = tid < L ? expf(cL - s_c[tid]) : 0.f;
-    float* hg = P.h + r * D * D;
-    for (int e = tid; e < D * kVs; e += kThreads) hg[(e / kVs) * D + v0 + (e % kVs)] = s_S[e];
-    const float* Wg = P.W + r * kC * D;
-    float* vng = P.vn + r * kC * D + v0;
-    block_gemm<kC, kVs, D>(
-        [&](int i, int a) { return Wg[i * D + a]; },
-        [&](int a, int v) { return s_S[a * kVs + v]; },
-        [&](int i, int v, float x) { vng[i * D + v] -= x; });
-    __syncthreads();
-    const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
-    const float eL = expf(cL);
-    block_gemm<D, kVs, kC>(
-        [&](int a, int i) { return s_e[i] * kn[i * lds + a]; },
-        [&](int i, int v) { return vng[i * D + v]; },
-        [&](int a, int v, float x) { s_S[a * kVs + v] = eL * s_S[a * kVs + v] + x; });
+    out[e] = x;
   }
 }
 
 }  // namespace
 
-void launch_bwd_state(const BwdParams& P, cudaStream_t s) {
-  if (P.D == 64)
-    state_kernel<64><<<dim3(P.N, P.Hv, 64 / kVs), kThreads, 0, s>>>(P);
-  else
-    state_kernel<128><<<dim3(P.N, P.Hv, 128 / kVs), kThreads, 0, s>>>(P);
-  FGDN_CHECK_LAUNCH("bwd state pass");
+size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
+  return sm90::chunk_states_workspace_bytes(p, in);
+}
+
+void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, int64_t* first_row,
+                       void* fwd_workspace, cudaStream_t s) {
+  if (P.N == 0) return;
+  first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
+  FGDN_CHECK_LAUNCH("bwd first_rows_kernel");
+  // `high`: states within ~5e-6 of the float64 ones keep every gradient at its output's
+  // rounding floor; `fast` states would double dq, dk and dg's errors (bench/NOTES.md, "Backward").
+  sm90::chunk_states(p, in, sm90::Precision::kHigh, P.h, first_row, fwd_workspace, s);
+  start_states_kernel<<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd start_states_kernel");
 }
 
 }  // namespace flashgdn::cuda::bwd

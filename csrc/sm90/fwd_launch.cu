@@ -114,25 +114,10 @@ StateRef state_ref(const fgdn_tensor& t) {
   return s;
 }
 
-}  // namespace
-
-void require_sm90(int device_id) {
-  int major = 0, minor = 0;
-  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id));
-  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id));
-  if (major != 9 || minor != 0)
-    throw NotSupported("flashgdn: the CUDA backend runs on Hopper GPUs (compute capability 9.0, "
-                       "sm_90a); cuda:" + std::to_string(device_id) + " has compute capability " +
-                       std::to_string(major) + "." + std::to_string(minor));
-}
-
-size_t forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) { return plan(p, a).total; }
-
-void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* workspace,
-             cudaStream_t stream) {
-  if (p.N == 0) return;
-  const Workspace wl = plan(p, a);
-  char* ws = static_cast<char*>(workspace);
+// The kernel parameters of a call (all but the checkpoints and the CP tables); packs q, k, v
+// into the workspace where TMA cannot address them as they are.
+FwdParams make_params(const Problem& p, const fgdn_fwd_args& a, const Workspace& wl, char* ws,
+                      cudaStream_t stream) {
   FwdParams fp{};
   fp.seq = cuda::make_seq_layout(p, a.in);
   fp.Hv = p.Hv;
@@ -148,7 +133,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
     fp.order_q = mq.order;
     fp.order_k = mk.order;
     fp.order_v = mv.order;
-    if (tile_map_direct(a.o)) {
+    if (a.o.data != nullptr && tile_map_direct(a.o)) {
       const TileMap mo = make_tile_map(a.o);
       fp.tma_o = mo.map;
       fp.order_o = mo.order;
@@ -180,16 +165,13 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   fp.state_idx_dtype = p.has_state_indices ? a.in.state_indices.dtype : FGDN_INT64;
   fp.write_final = p.output_final_state ? 1 : 0;
   if (p.output_final_state && !p.has_state_indices) fp.ht = state_ref(a.final_state);
-  if (p.checkpoint_every > 0) {
-    fp.ckpt = state_ref(a.checkpoints);
-    fp.every = p.checkpoint_every;
-    if (p.varlen) {
-      auto* offs = reinterpret_cast<int64_t*>(ws + wl.ckpt);
-      cuda::launch_checkpoint_offsets(fp.seq, fp.every, offs, stream);
-      fp.ckpt_offset = offs;
-    }
-  }
+  return fp;
+}
 
+// Launches the forward over the call's work items: one launch, or with context parallelism the
+// five launches of fwd_context_parallel.h.
+void run(const Problem& p, FwdParams fp, const Workspace& wl, char* ws, Precision prec,
+         cudaStream_t stream) {
   // units: the launch's work-item indices (fwd_scheduler.cuh). persistent: at most one CTA per
   // SM (the kernel's occupancy), each walking every gridDim.x-th item, so that an item's loads
   // and chunk-local work overlap the state's last chunks of the one before instead of waiting
@@ -258,6 +240,82 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* wor
   }
   fp.cp.phase = 2;
   launch(fp, (c.max_slots + c.max_items) * p.Hv, false);
+}
+
+}  // namespace
+
+void require_sm90(int device_id) {
+  int major = 0, minor = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id));
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id));
+  if (major != 9 || minor != 0)
+    throw NotSupported("flashgdn: the CUDA backend runs on Hopper GPUs (compute capability 9.0, "
+                       "sm_90a); cuda:" + std::to_string(device_id) + " has compute capability " +
+                       std::to_string(major) + "." + std::to_string(minor));
+}
+
+size_t forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) { return plan(p, a).total; }
+
+void forward(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* workspace,
+             cudaStream_t stream) {
+  if (p.N == 0) return;
+  const Workspace wl = plan(p, a);
+  char* ws = static_cast<char*>(workspace);
+  FwdParams fp = make_params(p, a, wl, ws, stream);
+  if (p.checkpoint_every > 0) {
+    fp.ckpt = state_ref(a.checkpoints);
+    fp.every = p.checkpoint_every;
+    if (p.varlen) {
+      auto* offs = reinterpret_cast<int64_t*>(ws + wl.ckpt);
+      cuda::launch_checkpoint_offsets(fp.seq, fp.every, offs, stream);
+      fp.ckpt_offset = offs;
+    }
+  }
+  run(p, fp, wl, ws, prec, stream);
+}
+
+namespace {
+
+// The call whose checkpoints, one a chunk, are the chunk-start states: no o, no final state.
+Problem chunk_states_problem(const Problem& p) {
+  Problem q = p;
+  q.output_final_state = false;
+  q.checkpoint_every = cuda::kChunk;
+  return q;
+}
+
+fgdn_fwd_args chunk_states_args(const fgdn_inputs& in) {
+  fgdn_fwd_args a{};
+  a.in = in;
+  return a;  // o absent: the kernel computes no output
+}
+
+}  // namespace
+
+size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
+  return plan(chunk_states_problem(p), chunk_states_args(in)).total;
+}
+
+void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, float* states,
+                  const int64_t* first_row, void* workspace, cudaStream_t stream) {
+  if (p.N == 0) return;
+  const Problem q = chunk_states_problem(p);
+  const fgdn_fwd_args a = chunk_states_args(in);
+  const Workspace wl = plan(q, a);
+  char* ws = static_cast<char*>(workspace);
+  FwdParams fp = make_params(q, a, wl, ws, stream);
+  // states: [rows, Hv, K, V] fp32, row-major whatever the caller's state layout (StateRef's
+  // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3).
+  const int64_t d = p.K;
+  fp.ckpt.data = states;
+  fp.ckpt.dtype = FGDN_FLOAT32;
+  fp.ckpt.s0 = p.Hv * d * d;
+  fp.ckpt.s1 = d * d;
+  fp.ckpt.s2 = p.state_v_first ? 1 : d;
+  fp.ckpt.s3 = p.state_v_first ? d : 1;
+  fp.every = cuda::kChunk;
+  fp.ckpt_offset = first_row;
+  run(q, fp, wl, ws, prec, stream);
 }
 
 }  // namespace flashgdn::sm90

@@ -69,6 +69,10 @@ std::vector<ft::Spec> all_cases() {
   }
   add(with_states(dense_d("GVA2_8_B2_T300_D64_fp16", 2, 300, 2, 8, 64, FGDN_FLOAT16)));
   add(dense_d("GVA32_32_T100_D128", 1, 100, 32, 32, 128));
+  // Whole chunks in dense rows: the end of a row's last chunk lands on the next row's first
+  // chunk-start state, which the initial state must overwrite (chunk_bwd_state.cu).
+  add(with_states(dense_d("B3_T128_Hq2_Hv4_D128", 3, 128, 2, 4, 128)));
+  add(with_states(dense_d("B2_T192_Hq1_Hv2_D64_fp16", 2, 192, 1, 2, 64, FGDN_FLOAT16)));
   // Hv = 6: g, beta, dg, dbeta rows of 24 bytes (read and written element by element).
   add(with_states(dense_d("GVA2_6_B2_T200_D128", 2, 200, 2, 6, 128)));
   {
