@@ -88,6 +88,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     if constexpr (Tr::kLocalRegs > 128) setmaxnreg_inc<Tr::kLocalRegs>();
     else setmaxnreg_dec<Tr::kLocalRegs>();
     zero_local_p(sm, tid);
+    // Every warp's zeros are in before any warp writes its blocks of P (they overlap the tile).
+    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kChunkLocal), 128);
     walk_items(p, sm, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();
