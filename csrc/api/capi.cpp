@@ -114,6 +114,7 @@ fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace, size_t work
       return;
     }
 #ifdef FLASHGDN_WITH_CUDA
+    flashgdn::cuda::raise_pending_error();
     const size_t needed = flashgdn::cuda::forward_workspace_size(p, *args);
     require_workspace(needed, workspace, workspace_bytes);
     with_workspace(p, needed, workspace, stream,
@@ -134,6 +135,7 @@ fgdn_status fgdn_backward(const fgdn_bwd_args* args, void* workspace, size_t wor
       return;
     }
 #ifdef FLASHGDN_WITH_CUDA
+    flashgdn::cuda::raise_pending_error();
     const size_t needed = flashgdn::cuda::backward_workspace_size(p, *args);
     require_workspace(needed, workspace, workspace_bytes);
     with_workspace(p, needed, workspace, stream,

@@ -494,6 +494,15 @@ void check_derived_sizes(const Checker& c, const Problem& p) {
 #endif
 }
 
+// Whether the call's stream is capturing a CUDA graph (never, on the CPU).
+bool capturing([[maybe_unused]] const Problem& p, [[maybe_unused]] void* stream) {
+#ifdef FLASHGDN_WITH_CUDA
+  return p.on_cuda && cuda::stream_capturing(stream, p.device_id);
+#else
+  return false;
+#endif
+}
+
 // In a call: the sequence boundaries on the host (a device cu_seqlens read back once, on the
 // caller's stream, unless the host copy is given; a cpu cu_seqlens compared with its copy) and
 // host state indices.
@@ -502,6 +511,10 @@ void read_values(const Checker& c, Problem& p, const fgdn_inputs& in, bool pool_
   if (p.varlen) {
     const bool have_copy = present(in.cu_seqlens_host);
     const char* src_name = have_copy ? "cu_seqlens_host" : "cu_seqlens";
+    if (!have_copy && in.cu_seqlens.device_type == FGDN_CUDA && capturing(p, stream))
+      c.fail("cu_seqlens", "its host copy cu_seqlens_host while the stream captures a CUDA graph "
+             "(reading a device tensor back waits for the stream, which capture forbids)",
+             "a device tensor and no host copy");
     p.cu = read_indices(have_copy ? in.cu_seqlens_host : in.cu_seqlens, stream);
     p.have_host_seqlens = true;
     if (have_copy && in.cu_seqlens.device_type == FGDN_CPU) {
@@ -544,6 +557,9 @@ std::string index_str(const int64_t* shape, int ndim, uint64_t linear) {
 void check_input_values(const Checker& c, const Problem& p, const fgdn_inputs& in,
                         const fgdn_tensor* d_o, const fgdn_tensor* d_final_state,
                         bool pool_written, void* stream) {
+  if (p.on_cuda && capturing(p, stream))
+    c.fail("check_inputs", "off while the stream captures a CUDA graph (check mode reads the "
+           "values back and waits for the stream)", "on");
   const std::vector<ValueCheck> checks = input_value_checks(p, in, d_o, d_final_state);
   // Copies the device needs to send back: cu_seqlens when the host copy stood in for it, the
   // state indices (read nowhere else on the device path).

@@ -40,6 +40,12 @@ struct CudaError : std::runtime_error {
 // Copies bytes from device memory to the host, ordered after the work already on stream, and
 // waits for it (a host synchronisation: used only when the caller gave no host copy).
 void copy_to_host(void* dst, const void* src, size_t bytes, int device_id, void* stream);
+// Whether stream (on device_id) is capturing a CUDA graph: what a call may not do then (read a
+// device tensor back, wait for the stream) is refused before anything is enqueued.
+bool stream_capturing(void* stream, int device_id);
+// Throws CudaError if the calling thread has a CUDA error pending from work done before this call
+// (and clears it), so that it is reported as what it is, not as the failure of a flashgdn kernel.
+void raise_pending_error();
 // Stream-ordered scratch for callers that pass no workspace (graph capturable).
 void* workspace_alloc(size_t bytes, int device_id, void* stream);
 void workspace_free(void* ptr, void* stream);

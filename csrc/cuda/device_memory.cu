@@ -9,8 +9,12 @@
 namespace flashgdn::cuda {
 namespace {
 
+// A failed runtime call also leaves its error pending for the thread: taken here, so that it is
+// reported once, by this call, and not again by the next launch's check.
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(std::string("flashgdn: ") + what + ": " + cudaGetErrorString(e));
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw CudaError(std::string("flashgdn: ") + what + ": " + cudaGetErrorString(e));
 }
 
 // Makes device_id current for the scope and restores the caller's device.
@@ -33,6 +37,21 @@ void copy_to_host(void* dst, const void* src, size_t bytes, int device_id, void*
   auto s = static_cast<cudaStream_t>(stream);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "reading cu_seqlens back");
   check(cudaStreamSynchronize(s), "reading cu_seqlens back");
+}
+
+bool stream_capturing(void* stream, int device_id) {
+  DeviceGuard guard(device_id);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status), "querying the stream's capture");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void raise_pending_error() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw CudaError(std::string("flashgdn: a CUDA error was pending before this call, from earlier work "
+                                "on this thread (not a flashgdn kernel): ") +
+                    cudaGetErrorString(e) + "; nothing was launched");
 }
 
 void* workspace_alloc(size_t bytes, int device_id, void* stream) {

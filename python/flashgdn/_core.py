@@ -7,6 +7,8 @@ into the outputs the caller does pass (handy for preallocated / poisoned buffers
 from __future__ import annotations
 
 import operator
+import weakref
+from collections import OrderedDict
 from contextlib import nullcontext as _nullcontext
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -134,6 +136,51 @@ def host_seqlens(
     if cu_seqlens.device.type == "cpu":
         return cu_seqlens.to(torch.int64)
     return cu_seqlens.to(device="cpu", dtype=torch.int64)
+
+
+# Host copies of device cu_seqlens read by earlier calls, for the calls a CUDA graph captures
+# (which may not read a device tensor back): per tensor, with its data pointer, version counter
+# and shape, so that a tensor changed in place since, or another tensor at the same address,
+# finds nothing.
+_SEQLENS_SEEN: "OrderedDict[int, tuple]" = OrderedDict()
+_SEQLENS_SEEN_MAX = 64
+
+
+def _seqlens_stamp(cu: torch.Tensor) -> tuple:
+    return (cu.data_ptr(), cu._version, tuple(cu.shape), cu.dtype)
+
+
+def resolve_host_seqlens(q: torch.Tensor, cu_seqlens, cu_seqlens_host, T: int):
+    """The host copy of cu_seqlens a CUDA call passes to the library. Given: as it is. A device
+    cu_seqlens without one: outside graph capture read back here (the call's one host
+    synchronisation, as the library's own read would be) and remembered; under capture, the copy
+    remembered from an earlier call with the same, unchanged tensor, else a ValueError before
+    anything is enqueued. A copy that is not a valid layout of T tokens is not passed: the
+    library reads cu_seqlens itself and names what is wrong."""
+    if (cu_seqlens_host is not None or not isinstance(cu_seqlens, torch.Tensor)
+            or cu_seqlens.device.type != "cuda" or q.device.type != "cuda"):
+        return cu_seqlens_host
+    with torch.cuda.device(q.device):  # the call runs on the current stream of q's device
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        seen = _SEQLENS_SEEN.get(id(cu_seqlens))
+        if seen is None or seen[0]() is not cu_seqlens or seen[1] != _seqlens_stamp(cu_seqlens):
+            raise ValueError(
+                "cu_seqlens: a call captured in a CUDA graph needs the sequence boundaries on the "
+                "host: pass cu_seqlens_cpu= (the host copy), or make one call with this same "
+                "tensor, unchanged since, before capturing (flashgdn keeps the copy it read then)")
+        _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
+        return seen[2]
+    fresh = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    valid = (fresh.dim() == 1 and fresh.numel() >= 1 and int(fresh[0]) == 0 and int(fresh[-1]) == T
+             and bool((fresh[1:] >= fresh[:-1]).all()))
+    if not valid:
+        return None
+    _SEQLENS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _seqlens_stamp(cu_seqlens), fresh)
+    _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
+    while len(_SEQLENS_SEEN) > _SEQLENS_SEEN_MAX:
+        _SEQLENS_SEEN.popitem(last=False)
+    return fresh
 
 
 def checkpoint_rows(B: int, T: int, checkpoint_every: int) -> int:
@@ -305,6 +352,7 @@ def chunk_gated_delta_rule_fwd(
     N = _num_seqs(B, cu_seqlens)
     checkpoint_every = _index("checkpoint_every", checkpoint_every, lo=0)
     output_final_state = _flag("output_final_state", output_final_state)
+    cu_seqlens_host = resolve_host_seqlens(q, cu_seqlens, cu_seqlens_host, T)
     kw = _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                  cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first,
                  check_inputs)
@@ -321,13 +369,9 @@ def chunk_gated_delta_rule_fwd(
         checkpoints = torch.empty((checkpoint_rows(B, T, checkpoint_every),) + _state_shape(1, Hv, K, V, state_v_first)[1:],
                                   dtype=torch.float32, device=q.device)
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == q.device:
-            # The rows past the ones written are zeroed below, from the host copy; on CUDA
-            # without one this is the call's only read of cu_seqlens (the library then reads
-            # the copy, not the device).
-            cu_host = host_seqlens(cu_seqlens, cu_seqlens_host)
-            if q.device.type == "cuda" and cu_seqlens_host is None:
-                kw["cu_seqlens_host"] = _desc("cu_seqlens_host", cu_host)
-            zero_tail = cu_host
+            # The rows past the ones written are zeroed below, from the host copy (on CUDA
+            # resolved above, or read here where it was no valid layout: the library refuses it).
+            zero_tail = host_seqlens(cu_seqlens, cu_seqlens_host)
     kw.update(
         output_final_state=output_final_state,
         checkpoint_every=checkpoint_every,
@@ -409,6 +453,7 @@ def chunk_gated_delta_rule_bwd(
     if need_dh0 is None:
         need_dh0 = initial_state is not None
     need_dh0 = _flag("need_dh0", need_dh0) and initial_state is not None
+    cu_seqlens_host = resolve_host_seqlens(q, cu_seqlens, cu_seqlens_host, v.shape[1])
     kw = _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                  cu_seqlens_host, use_gate_in_kernel, A_log, dt_bias, state_indices, state_v_first,
                  check_inputs)

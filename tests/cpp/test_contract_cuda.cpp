@@ -368,6 +368,47 @@ TEST(CudaContract, CuSeqlensReadOnTheCallersStream) {
   cudaFreeHost(pinned);
 }
 
+// Under CUDA graph capture a call that would read a device tensor back (cu_seqlens without its
+// host copy; check mode) is refused before it enqueues anything, naming the argument: the
+// capture is still valid when it ends, no error is left pending, and the next ordinary call on
+// the stream runs and gives the same bits.
+TEST(CudaContract, GraphCaptureRefusesReadBacks) {
+  REQUIRE_DEVICE();
+  CheckCase c;
+  c.upload();
+  c.f.in.check_inputs = 0;
+  c.f.in.state_indices = fgdn_tensor_none();
+  c.f.in.initial_state = fgdn_tensor_none();
+  c.f.output_final_state = 0;
+  ASSERT_EQ(fgdn_forward(&c.f, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+  CU(cudaDeviceSynchronize());
+  const std::vector<uint16_t> want = download(c.d_o, CheckCase::T * Hv * D);
+  cudaStream_t s = nullptr;
+  CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  size_t bytes = 0;
+  ASSERT_EQ(fgdn_forward_workspace_size(&c.f, &bytes), FGDN_SUCCESS) << fgdn_last_error();
+  void* ws = nullptr;
+  CU(cudaMalloc(&ws, bytes + 256));
+  for (int check = 0; check < 2; ++check) {
+    fgdn_fwd_args a = c.f;
+    a.in.check_inputs = check;
+    if (check) a.in.cu_seqlens_host = make_tensor(c.cu.data(), FGDN_INT64, {CheckCase::N + 1}, FGDN_CPU);
+    CU(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    EXPECT_EQ(fgdn_forward(&a, ws, bytes, s), FGDN_ERROR_INVALID_ARGUMENT);
+    const std::string why = fgdn_last_error();
+    EXPECT_NE(why.find(check ? "'check_inputs'" : "'cu_seqlens'"), std::string::npos) << why;
+    EXPECT_NE(why.find("captures a CUDA graph"), std::string::npos) << why;
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+  EXPECT_EQ(fgdn_forward(&c.f, ws, bytes, s), FGDN_SUCCESS) << fgdn_last_error();
+  CU(cudaStreamSynchronize(s));
+  EXPECT_EQ(download(c.d_o, CheckCase::T * Hv * D), want);
+  cudaFree(ws);
+  cudaStreamDestroy(s);
+}
+
 // Overlaps are refused on device tensors as on host ones.
 TEST(CudaContract, OverlappingOutputs) {
   REQUIRE_DEVICE();

@@ -369,6 +369,66 @@ def test_cuda_graph_capture_and_no_host_sync():
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
 
 
+def test_cuda_graph_capture_device_seqlens_after_warmup():
+    """FLA's capture recipe: cu_seqlens on the device only, one eager call with the same tensor,
+    then capture. The capture reads nothing back (sync debug mode: error), and replays on new
+    input values and on new cu_seqlens values of the same size give the eager bits."""
+    c = _fixed_case()
+    n = _fixed_case(lengths=(37, 1000, 0, 513, 1, 64))
+    kw = {key: x for key, x in c.kwargs().items() if key != "cu_seqlens"}  # no host copy
+    static = [x.clone() for x in c.inputs()]
+    cu = c.cu_seqlens.clone()
+
+    def step():
+        return chunk_gated_delta_rule(*static, cu_seqlens=cu, output_final_state=True, **kw)
+
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up: reads cu_seqlens back once, as any call without its host copy
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.graph(graph):
+                out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for case in (c, n):
+            for dst, src in zip(static, case.inputs()):
+                dst.copy_(src)
+            cu.copy_(case.cu_seqlens)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = chunk_gated_delta_rule(*case.inputs(), output_final_state=True,
+                                           **dict(kw, cu_seqlens=case.cu_seqlens))
+            assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def test_cuda_graph_capture_device_seqlens_refused_without_warmup():
+    """A capture whose device cu_seqlens was never seen (or changed since) is refused with a
+    ValueError naming cu_seqlens before anything is enqueued; the next ordinary call runs."""
+    c = _fixed_case()
+    kw = {key: x for key, x in c.kwargs().items() if key != "cu_seqlens"}
+    static = [x.clone() for x in c.inputs()]
+    with torch.no_grad():
+        for cu in (c.cu_seqlens.clone(), None):
+            if cu is None:  # seen once, then changed in place: its version counter moved
+                cu = c.cu_seqlens.clone()
+                chunk_gated_delta_rule(*static, cu_seqlens=cu, **kw)
+                cu.add_(0)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with pytest.raises(ValueError, match="cu_seqlens: a call captured in a CUDA graph"):
+                with torch.cuda.graph(graph):
+                    chunk_gated_delta_rule(*static, cu_seqlens=cu, **kw)
+            o, _ = chunk_gated_delta_rule(*static, cu_seqlens=cu, **kw)
+            ref, _ = chunk_gated_delta_rule(*static, cu_seqlens=cu, cu_seqlens_cpu=c.cu_seqlens.cpu(), **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(o, ref)
+
+
 def test_cuda_graph_context_parallel_new_seqlens():
     """A CUDA graph of a call with context parallelism, replayed with new cu_seqlens values of the
     same size: the plan runs on the GPU, so the replay splits the new sequences and gives the
