@@ -36,6 +36,10 @@ def _parse(argv):
     p.add_argument("--configs", default=None, help="head configurations Hq/Hv, comma list, e.g. 16/64,2/8")
     p.add_argument("--modes", default=None, help="comma list of fwd, bwd, fwdbwd")
     p.add_argument("--layouts", default=None, help="comma list of layout names or substrings, e.g. 1x8192,B8x2048,mix")
+    p.add_argument("--qk-norm", default=None, metavar="LIST",
+                   help="q/k conventions, comma list of in_kernel (raw q, k, normalised in each call), "
+                        "prenormalized (q, k normalised when the inputs are made, no norm in any call); "
+                        "default: both, with --quick and --full")
     p.add_argument("--out", default=None, help="output folder (default: bench/results/<gpu>-<date>/)")
     p.add_argument("--no-graph", action="store_true", help="time eagerly, no CUDA graphs")
     p.add_argument("--no-check", action="store_true", help="skip the accuracy check against the float64 oracle")
@@ -57,7 +61,11 @@ def _parse(argv):
 
 
 def select_cells(a) -> List[C.Cell]:
-    cells = C.full_cells() if a.full else C.quick_cells()
+    try:
+        norms = C.parse_qk_norms(a.qk_norm)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    cells = C.full_cells(norms) if a.full else C.quick_cells(norms)
     cells = C.filter_cells(cells, a.configs, a.modes, a.layouts)
     if a.part:
         i, n = (int(x) for x in a.part.split("/"))
@@ -116,6 +124,7 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
         "python": platform.python_version(),
         "flashgdn_commit": _git_commit(a),
         "selection": ("full" if a.full else "quick") + (f" part {a.part}" if a.part else ""),
+        "qk_norms": ", ".join(C.parse_qk_norms(a.qk_norm)),
         "argv": " ".join(sys.argv[1:]),
         "copy_GBps": round(ceilings["copy_bytes_per_s"] / 1e9, 1),
         "bf16_TFLOPs": round(ceilings["bf16_flop_per_s"] / 1e12, 1),
@@ -165,7 +174,8 @@ def _versions(loaded: Dict) -> Dict[str, str]:
 
 def accuracy_check(torch, c, inp: Dict, ref: Dict, with_grads: bool) -> Dict:
     """Relative L2 errors of o and the final state and, with_grads, of the gradients; a backward
-    that raises leaves the forward's errors and says why in 'grad_status'."""
+    that raises leaves the forward's errors and says why in 'grad_status'. ``inp`` and ``ref``
+    are of one q/k convention (inp['qk_norm']): the contender's call follows it."""
     from .oracle import rel_l2
 
     res = {}
@@ -226,10 +236,12 @@ def main(argv=None) -> int:
     cells = select_cells(a)
     if a.list:
         for c in cells:
-            print(f"{c.mode:7s} {c.heads:6s} {c.layout.name}")
+            print(f"{c.mode:7s} {c.heads:6s} {c.qk_norm:13s} {c.layout.name}")
+        norms = [n for n in C.QK_NORMS if any(c.qk_norm == n for c in cells)]
         print(f"{len(cells)} cells, {len({(c.Hq, c.Hv) for c in cells})} head configurations, "
+              f"q/k {' and '.join(norms) or 'none'}, "
               f"estimated {C.estimate_s(cells) / 60:.1f} min on a fresh 16-core machine (the peers compile "
-              f"in 16 background processes while the cells are timed, ~{C.S_PER_CELL['fwd']:.0f} s per cell)")
+              f"in 16 background processes while the cells are timed, ~{C.S_PER_CELL['fwd']:.1f} s per cell)")
         return 0
 
     t_start = time.monotonic()
@@ -264,8 +276,12 @@ def main(argv=None) -> int:
             loaded[n] = (None, f"{type(e).__name__}: {e}")
 
     check = check_key(a, cells)
-    if a.check_only:  # the warm-up compiles for the check's shape and the one cell its task needs
-        cells = [c for c in cells if check and (c.Hq, c.Hv, c.mode != "fwd") == check][:1]
+    if a.check_only:  # the warm-up compiles for the check's shape and the one cell its task needs,
+        first = {}     # in each q/k convention of the selection
+        for c in cells:
+            if check and (c.Hq, c.Hv, c.mode != "fwd") == check:
+                first.setdefault(c.qk_norm, c)
+        cells = list(first.values())
     from . import prewarm as P
     if standalone_prewarm:
         workers = a.workers or (a.prewarm if a.prewarm > 0 else P.default_workers())
@@ -311,7 +327,7 @@ def main(argv=None) -> int:
         return warm is None or warm.ready(n, hq, hv, grad)
 
     rows: List[Dict] = []
-    acc: Dict[str, Dict] = {}
+    acc: Dict[str, Dict[str, Dict]] = {}  # {qk_norm: {contender: the accuracy check's result}}
     state = {"poisoned": None, "flushed": time.monotonic()}
 
     def flush(force: bool = False):
@@ -323,44 +339,57 @@ def main(argv=None) -> int:
         report.write_all(out_dir, hdr, rows, acc)
         state["flushed"] = time.monotonic()
 
-    # ---- accuracy check on one small shape, per contender once its kernels are compiled ----
-    inp = ref = None
+    # ---- accuracy check on one small shape, in each q/k convention of the selection, per
+    # contender once its kernels are compiled; the oracle gets each convention's inputs ----
+    inps: Dict[str, Dict] = {}
+    refs: Dict[str, Dict] = {}
+    check_norms = [n for n in C.QK_NORMS if any(c.qk_norm == n for c in cells)]
     if check is not None:
         hq, hv, grads = check
-        inp = make_inputs(hq, hv, CHECK_LAYOUT, seed=7, requires_grad=grads, with_grads_out=True)
-        t0 = time.perf_counter()
-        ref = oracle(inp, grads)
-        hdr["oracle"] = ref.pop("oracle")
-        hdr["check_shape"] = f"Hq/Hv {hq}/{hv}, varlen {CHECK_LAYOUT.name}, T = {CHECK_LAYOUT.total}"
-        say(f"# oracle: {hdr['oracle']} ({time.perf_counter() - t0:.1f} s); check shape {hdr['check_shape']}")
+        for qk in check_norms:
+            inps[qk] = make_inputs(hq, hv, CHECK_LAYOUT, seed=7, requires_grad=grads, with_grads_out=True,
+                                   qk_norm=qk)
+            t0 = time.perf_counter()
+            refs[qk] = oracle(inps[qk], grads)
+            hdr["oracle"] = refs[qk].pop("oracle")
+            say(f"# oracle ({qk}): {hdr['oracle']} ({time.perf_counter() - t0:.1f} s)")
+        hdr["check_shape"] = (f"Hq/Hv {hq}/{hv}, varlen {CHECK_LAYOUT.name}, T = {CHECK_LAYOUT.total}, "
+                              f"q/k {' and '.join(check_norms)}")
+        say(f"# check shape {hdr['check_shape']}")
 
     def run_check(n: str):
         obj, why = loaded[n]
+        for qk in check_norms:
+            acc.setdefault(qk, {})[n] = check_one(n, obj, why, qk)
+
+    def check_one(n: str, obj, why: str, qk: str) -> Dict:
         if obj is None:
-            acc[n] = {"status": f"not installed: {why}"}
-            return
+            return {"status": f"not installed: {why}"}
+        if state["poisoned"]:
+            return {"status": f"skipped: {state['poisoned']}"}
         hq, hv, grads = check
+        inp = inps[qk]
         try:
-            r = accuracy_check(torch, obj, inp, ref, grads)
+            r = accuracy_check(torch, obj, inp, refs[qk], grads)
             r["status"] = "ok"
             if grads and not obj.has_backward:
                 r["status"] = "ok (forward only: no backward)"
             elif grads and r.get("grad_status") != "ok":
                 r["status"] = f"ok forward; backward {r['grad_status']}"
-            acc[n] = r
-            say(f"  check {n}: " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
-                                               for k, v in r.items()))
+            say(f"  check {n} ({qk}): " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in r.items()))
         except Exception as e:
-            acc[n] = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
-            say(f"  check {n}: {acc[n]['status']}")
+            r = {"status": f"{classify(e)}: {type(e).__name__}: {str(e)[:300]}"}
+            say(f"  check {n} ({qk}): {r['status']}")
             say(traceback.format_exc(), to_log_only=True)
             if poisoned(e):
-                state["poisoned"] = f"CUDA context lost in {n}'s accuracy check"
+                state["poisoned"] = f"CUDA context lost in {n}'s accuracy check ({qk})"
         if grads and obj.has_backward:
             for t in ("q", "k", "v", "g", "beta", "h0"):
                 inp[t].grad = None
         gc.collect()
         torch.cuda.empty_cache()
+        return r
 
     # ---- timing ---------------------------------------------------------------------------
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
@@ -373,10 +402,11 @@ def main(argv=None) -> int:
         flop, nbytes = floor_counts(cell.Hq, cell.Hv, lay, cell.mode)
         floor_ms = max(flop / ceilings["bf16_flop_per_s"], nbytes / ceilings["copy_bytes_per_s"]) * 1e3
         row = dict(config=cell.heads, Hq=cell.Hq, Hv=cell.Hv, layout=lay.name, kind=lay.kind, nseq=lay.nseq,
-                   T_total=lay.total, mode=cell.mode, floor_ms=floor_ms, floor_flop=flop, floor_bytes=nbytes,
+                   T_total=lay.total, mode=cell.mode, qk_norm=cell.qk_norm, floor_ms=floor_ms, floor_flop=flop,
+                   floor_bytes=nbytes,
                    contender=n, status="", reason="", ms=float("nan"), method="", reps=0, spread=float("nan"),
                    mem_mib=float("nan"), first_call_s=float("nan"), floor_frac=float("nan"))
-        a_res = acc.get(n, {})
+        a_res = acc.get(cell.qk_norm, {}).get(n, {})
         row["err_o"] = a_res.get("o", float("nan"))
         row["err_ht"] = a_res.get("ht", float("nan"))
         gerr = [a_res[g] for g in GRAD_NAMES if isinstance(a_res.get(g), float)]
@@ -390,7 +420,7 @@ def main(argv=None) -> int:
     def not_run(cell: C.Cell, n: str):
         """Why (status, reason) this contender is not timed on this cell, or None."""
         obj, why = loaded[n]
-        a_res = acc.get(n, {})
+        a_res = acc.get(cell.qk_norm, {}).get(n, {})
         if obj is None:
             return "not installed", why
         if state["poisoned"]:
@@ -419,10 +449,11 @@ def main(argv=None) -> int:
                 if cur["i"] != i:
                     cur["i"], cur["sets"] = None, None
                     gc.collect()
-                    probe = make_inputs(cell.Hq, cell.Hv, lay, seed=0, requires_grad=grad, with_grads_out=grad)
+                    probe = make_inputs(cell.Hq, cell.Hv, lay, seed=0, requires_grad=grad, with_grads_out=grad,
+                                        qk_norm=cell.qk_norm)
                     nsets = int(max(2, min(32, -(-rotate_bytes // set_bytes(probe)))))
                     cur["sets"] = [probe] + [make_inputs(cell.Hq, cell.Hv, lay, seed=s, requires_grad=grad,
-                                                         with_grads_out=grad, cu=probe["cu"])
+                                                         with_grads_out=grad, cu=probe["cu"], qk_norm=cell.qk_norm)
                                              for s in range(1, nsets)]
                     cur["i"] = i
                 xs = [obj.convert(s) for s in cur["sets"]]
@@ -453,7 +484,7 @@ def main(argv=None) -> int:
         row["wall_s"] = time.monotonic() - t_cell  # harness cost of this measurement, all included
         rows.append(row)
         ms = f"{row['ms']:.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['reason'][:100]}"
-        say(f"{cell.mode:6s} {cell.heads:6s} {lay.name:28s} {n:10s} {ms}"
+        say(f"{cell.mode:6s} {cell.heads:6s} {cell.qk_norm:13s} {lay.name:28s} {n:10s} {ms}"
             + (f"  (first {row['first_call_s']:.1f} s, {row['method'][:40]})" if row["status"] == "ok" else ""))
 
     # ---- the schedule: whatever is ready, in matrix order; wait for the warm-up otherwise ----
@@ -511,7 +542,8 @@ def main(argv=None) -> int:
     gc.freeze()
     drain(queue, is_ready, run, skip, out_of_time, wait)
     cur["sets"] = None
-    inp = ref = None  # free the check's tensors
+    inps.clear()  # free the check's tensors
+    refs.clear()
     if bar:
         bar.close()
     if warm is not None:

@@ -1,5 +1,5 @@
-"""The benchmark matrix: head configurations x layouts x modes, the quick and full selections,
-and the split of the full matrix into parts (``--part i/n``)."""
+"""The benchmark matrix: head configurations x layouts x modes x q/k conventions, the quick and
+full selections, and the split of the full matrix into parts (``--part i/n``)."""
 from __future__ import annotations
 
 import random
@@ -14,6 +14,11 @@ FWD_HEADS: List[Tuple[int, int]] = [(16, 64), (8, 32), (4, 16), (2, 8), (16, 48)
 BWD_HEADS: List[Tuple[int, int]] = [(16, 64), (16, 32), (8, 16), (2, 8), (2, 4)]
 
 MODES = ("fwd", "bwd", "fwdbwd")
+# Where q and k are L2-normalised. 'in_kernel': raw q, k and every contender normalises them in
+# its call (use_qk_l2norm_in_kernel=True; FlashInfer's separate pass, timed). 'prenormalized': q
+# and k normalised once when the inputs are made, outside the timed region, and no contender
+# normalises (use_qk_l2norm_in_kernel=False; FlashInfer's native call).
+QK_NORMS = ("in_kernel", "prenormalized")
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class Cell:
     Hv: int
     layout: Layout
     mode: str  # 'fwd' (inference forward), 'bwd' (backward alone), 'fwdbwd' (forward + backward)
+    qk_norm: str = "in_kernel"  # one of QK_NORMS
 
     @property
     def heads(self) -> str:
@@ -118,23 +124,47 @@ class Cell:
 
     @property
     def key(self) -> str:
-        return f"{self.mode}|{self.heads}|{self.layout.name}"
+        return f"{self.mode}|{self.heads}|{self.layout.name}|{self.qk_norm}"
 
 
-def full_cells() -> List[Cell]:
+def norm_in_call(qk_norm: str) -> bool:
+    """use_qk_l2norm_in_kernel for a contender's call in this convention."""
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm: expected one of {', '.join(QK_NORMS)}, got {qk_norm!r}")
+    return qk_norm == "in_kernel"
+
+
+def parse_qk_norms(spec: Optional[str]) -> Tuple[str, ...]:
+    """'in_kernel,prenormalized' -> the conventions in QK_NORMS order; None or '' -> all of them."""
+    if not spec:
+        return QK_NORMS
+    want = {x.strip() for x in spec.split(",") if x.strip()}
+    bad = sorted(want - set(QK_NORMS))
+    if bad or not want:
+        raise ValueError(f"--qk-norm: expected a comma list of {', '.join(QK_NORMS)}, got {spec!r}")
+    return tuple(n for n in QK_NORMS if n in want)
+
+
+def _each_norm(base: List[Cell], qk_norms: Sequence[str]) -> List[Cell]:
+    """Every cell in every convention, the conventions of one cell next to each other (measured
+    close in time)."""
+    return [Cell(c.Hq, c.Hv, c.layout, c.mode, n) for c in base for n in qk_norms]
+
+
+def full_cells(qk_norms: Sequence[str] = QK_NORMS) -> List[Cell]:
     cells = [Cell(hq, hv, lay, "fwd") for hq, hv in FWD_HEADS for lay in FWD_LAYOUTS]
     for hq, hv in BWD_HEADS:
         for lay in BWD_LAYOUTS:
             cells.append(Cell(hq, hv, lay, "bwd"))
             cells.append(Cell(hq, hv, lay, "fwdbwd"))
-    return cells
+    return _each_norm(cells, qk_norms)
 
 
-def quick_cells() -> List[Cell]:
+def quick_cells(qk_norms: Sequence[str] = QK_NORMS) -> List[Cell]:
     cells = [Cell(hq, hv, lay, "fwd") for hq, hv in ((16, 64), (2, 8))
              for lay in (seq(8192), seq(32768), varlen(4, 8192))]
     cells.append(Cell(16, 64, seq(32768), "fwdbwd"))
-    return cells
+    return _each_norm(cells, qk_norms)
 
 
 # Cost model (seconds, H100 machine of 16 cores; bench/results/h100-2026-11-23/full-f7b609e):
@@ -144,6 +174,11 @@ def quick_cells() -> List[Cell]:
 # The warm-up runs in the background, and stops while samples are taken and while FLA autotunes:
 # ~1.1 s per cell. Timing: ~1.5 s per cell, all contenders together; after the warm-up ends,
 # ~30 s of FlashQLA's last head configuration is left. Measured: 108 cells in 509 s, 116 in 470 s.
+# The q/k conventions share the warm-up tasks: every peer's norm is a separate pass before the
+# same kernels (FLA's and FlashQLA's l2norm_fwd, FlashInfer's pass), so the prenormalized calls
+# compile nothing that the in_kernel ones do not; a task calls each layout in each convention
+# and costs what one convention's did. Each convention's cell is timed: ~1.5 s per cell each
+# (not measured yet with both conventions).
 PREWARM_TASK_S = {("flashqla", False): 280.0, ("flashqla", True): 360.0, ("fla", False): 140.0,
                   ("fla", True): 140.0, ("flashinfer", False): 30.0}
 S_PER_CELL = {"fwd": 1.5, "bwd": 1.5, "fwdbwd": 1.5}

@@ -5,7 +5,9 @@ timed region (``convert``), calls the operator (``call`` -> raw outputs), and ma
 outputs back to (o [B, T, Hv, V], final state [N, Hv, K, V]) for the accuracy check
 (``canon``). ``grad_leaves`` names the tensors that autograd differentiates with respect to
 (the canonical leaves: no contender converts a differentiable input). Every call passes
-scale = K^-0.5, the initial state, output_final_state=True and use_qk_l2norm_in_kernel=True.
+scale = K^-0.5, the initial state, output_final_state=True and use_qk_l2norm_in_kernel as the
+inputs' q/k convention says (``qk_norm``: True for 'in_kernel', False for 'prenormalized',
+whose q and k inputs.make_inputs normalised).
 
 A contender that does not import gives Unavailable (its cells say "not installed: ..."); one that
 refuses a cell up front returns the reason from ``refuses``; an exception at call time becomes a
@@ -22,7 +24,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .configs import Cell
+from .configs import Cell, norm_in_call
 
 
 class Unavailable(Exception):
@@ -68,6 +70,11 @@ class Contender:
         return o, ht
 
 
+def _norm(x: Dict) -> bool:
+    """use_qk_l2norm_in_kernel for this converted input set."""
+    return norm_in_call(x.get("qk_norm", "in_kernel"))
+
+
 class FlashGDN(Contender):
     name = "flashgdn"
 
@@ -89,7 +96,7 @@ class FlashGDN(Contender):
     def call(self, x):
         return self.mod.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"],
+            output_final_state=True, use_qk_l2norm_in_kernel=_norm(x), cu_seqlens=x["cu"],
             cu_seqlens_cpu=x["cu_host"])
 
 
@@ -110,7 +117,7 @@ class FlashQLA(Contender):
     def call(self, x):
         return self.mod.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
+            output_final_state=True, use_qk_l2norm_in_kernel=_norm(x), cu_seqlens=x["cu"])
 
 
 class FLA(Contender):
@@ -133,7 +140,7 @@ class FLA(Contender):
     def call(self, x):
         return self.fn(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"],
+            output_final_state=True, use_qk_l2norm_in_kernel=_norm(x), cu_seqlens=x["cu"],
             cu_seqlens_cpu=x["cu_host"])
 
 
@@ -163,7 +170,9 @@ def _import_flashinfer_gdn():
 
 class FlashInfer(Contender):
     """flashinfer.gdn_prefill.chunk_gated_delta_rule: packed [T, H, D] without a batch axis,
-    cu_seqlens required, linear gate alpha = exp(g) fp32, state [N, H, V, K]; forward only."""
+    cu_seqlens required, linear gate alpha = exp(g) fp32, state [N, H, V, K]; forward only. Its
+    use_qk_l2norm_in_kernel is a separate normalisation pass before the kernel (timed with the
+    call in the 'in_kernel' convention; 'prenormalized' is its native call, no pass)."""
 
     name = "flashinfer"
     has_backward = False
@@ -186,13 +195,14 @@ class FlashInfer(Contender):
         return dict(q=flat(inp["q"]), k=flat(inp["k"]), v=flat(inp["v"]),
                     alpha=flat(inp["g"]).exp().float(), beta=flat(inp["beta"]).float(),
                     h0=inp["h0"].detach().transpose(-1, -2).contiguous(), cu=cu,
-                    scale=inp["scale"], max_seqlen=int(lay.max_len), B=B, T=T)
+                    scale=inp["scale"], max_seqlen=int(lay.max_len), B=B, T=T,
+                    qk_norm=inp.get("qk_norm", "in_kernel"))
 
     def call(self, x):
         return self.mod.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], g=x["alpha"], beta=x["beta"], scale=x["scale"],
             initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu"],
-            use_qk_l2norm_in_kernel=True, max_seqlen=x["max_seqlen"])
+            use_qk_l2norm_in_kernel=_norm(x), max_seqlen=x["max_seqlen"])
 
     def canon(self, out, x):
         o, ht = out

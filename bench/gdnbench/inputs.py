@@ -1,6 +1,9 @@
 """Inputs in the canonical (FLA) layout, with realistic gates.
 
-q, k: [B, T, Hq, K] bf16 (not normalised: every contender runs with use_qk_l2norm_in_kernel);
+q, k: [B, T, Hq, K] bf16 from randn; with ``qk_norm='prenormalized'`` each q and k row is then
+L2-normalised (in fp32, rounded to bf16) here, outside any timed region, and those normalised
+tensors are the inputs (and, with gradients, the leaves); with 'in_kernel' they stay raw and the
+calls normalise them. Every other tensor is the same in both conventions (same seed).
 v: [B, T, Hv, V] bf16; g: [B, T, Hv] fp32 with g = -A_h * softplus(x + 1), A_h uniform in
 [0, 16] per value head and A_0 = 0 (one head that never forgets); beta: [B, T, Hv] fp32 in (0, 1);
 h0: [N, Hv, K, V] fp32; cu_seqlens int64 on the device and on the host for packed layouts.
@@ -11,14 +14,16 @@ from typing import Dict, Optional
 
 import torch
 
-from .configs import K, V, Layout
+from .configs import K, V, Layout, norm_in_call
 
 
 def make_inputs(Hq: int, Hv: int, layout: Layout, seed: int = 0, device="cuda",
                 requires_grad: bool = False, cu: Optional[torch.Tensor] = None,
-                with_grads_out: bool = False) -> Dict:
+                with_grads_out: bool = False, qk_norm: str = "in_kernel") -> Dict:
     """One input set. ``cu``: reuse this device cu_seqlens tensor (FlashQLA caches plans by tensor
-    identity, so all sets of a cell share one). ``with_grads_out``: also draw do and dht."""
+    identity, so all sets of a cell share one). ``with_grads_out``: also draw do and dht.
+    ``qk_norm``: 'in_kernel' (raw q, k) or 'prenormalized' (q, k L2-normalised here)."""
+    normalize = not norm_in_call(qk_norm)
     gen = torch.Generator(device=device).manual_seed(1000 + seed)
     B, T, N = layout.B, layout.T, layout.nseq
     f32 = dict(device=device, dtype=torch.float32)
@@ -28,6 +33,8 @@ def make_inputs(Hq: int, Hv: int, layout: Layout, seed: int = 0, device="cuda",
 
     q = randn(B, T, Hq, K)
     k = randn(B, T, Hq, K)
+    if normalize:  # as a user who normalises before the call: fp32 norm, bf16 result
+        q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
     v = randn(B, T, Hv, V)
     A = torch.rand(Hv, generator=gen, **f32) * 16
     A[0] = 0.0
@@ -43,7 +50,7 @@ def make_inputs(Hq: int, Hv: int, layout: Layout, seed: int = 0, device="cuda",
     else:
         cu = None
     d = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, cu=cu, cu_host=cu_host, layout=layout,
-             Hq=Hq, Hv=Hv, scale=K ** -0.5)
+             Hq=Hq, Hv=Hv, scale=K ** -0.5, qk_norm=qk_norm)
     if requires_grad:
         for name in ("q", "k", "v", "g", "beta", "h0"):
             d[name].requires_grad_(True)

@@ -3,13 +3,18 @@
 Uses ``flashgdn.reference`` (the C++ float64 recurrence, ``flashgdn._C.reference_forward`` /
 ``reference_backward``) when flashgdn imports; otherwise a float64 torch recurrence of its own
 (on the GPU, differentiated by autograd):
-S~ = exp(g) S; S = S~ + beta k (v - S~^T k)^T; o = scale S^T q, with q and k L2-normalised.
+S~ = exp(g) S; S = S~ + beta k (v - S~^T k)^T; o = scale S^T q, with q and k L2-normalised in
+the oracle for inputs of the 'in_kernel' convention (raw q, k), and taken as they are for
+'prenormalized' inputs (already normalised by inputs.make_inputs; the gradients are then with
+respect to those normalised tensors, as the contenders' are).
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 import torch
+
+from .configs import norm_in_call
 
 
 def rel_l2(x, ref) -> float:
@@ -25,13 +30,15 @@ def rel_l2(x, ref) -> float:
     return num / den if den > 0 else num
 
 
-def _torch_recurrence(q, k, v, g, beta, h0, scale, cu):
-    """float64 forward of one batch; returns o [B, T, Hv, V] and ht [N, Hv, K, V]."""
+def _torch_recurrence(q, k, v, g, beta, h0, scale, cu, normalize=True):
+    """float64 forward of one batch; returns o [B, T, Hv, V] and ht [N, Hv, K, V]. ``normalize``:
+    L2-normalise q and k first (the 'in_kernel' convention)."""
     B, T, Hq, Kd = q.shape
     Hv = v.shape[2]
     grp = Hv // Hq
-    q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-    k = k / torch.linalg.vector_norm(k, dim=-1, keepdim=True)
+    if normalize:
+        q = q / torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        k = k / torch.linalg.vector_norm(k, dim=-1, keepdim=True)
     q = q.repeat_interleave(grp, dim=2)
     k = k.repeat_interleave(grp, dim=2)
     if cu is None:
@@ -55,11 +62,13 @@ def _torch_recurrence(q, k, v, g, beta, h0, scale, cu):
 
 def oracle(inp: Dict, with_grads: bool) -> Dict[str, Optional[torch.Tensor]]:
     """float64 reference: {'o', 'ht'} and, with_grads, {'dq', 'dk', 'dv', 'dg', 'dbeta', 'dh0'}
-    for the loss <o, do> + <ht, dht>. Also 'oracle': which implementation answered."""
+    for the loss <o, do> + <ht, dht>. Also 'oracle': which implementation answered. The norm is
+    the oracle's for 'in_kernel' inputs and absent for 'prenormalized' ones (inp['qk_norm'])."""
+    normalize = norm_in_call(inp.get("qk_norm", "in_kernel"))
     try:
         from flashgdn import reference as fref  # noqa: WPS433
 
-        kw = dict(scale=inp["scale"], initial_state=inp["h0"], use_qk_l2norm_in_kernel=True,
+        kw = dict(scale=inp["scale"], initial_state=inp["h0"], use_qk_l2norm_in_kernel=normalize,
                   cu_seqlens=inp["cu_host"])
         args = [inp[x].detach() for x in ("q", "k", "v", "g", "beta")]
         f = fref.reference_forward(*args, **kw)
@@ -77,7 +86,7 @@ def oracle(inp: Dict, with_grads: bool) -> Dict[str, Optional[torch.Tensor]]:
               for x in ("q", "k", "v", "g", "beta", "h0")}
     with torch.enable_grad():
         o, ht = _torch_recurrence(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                                  leaves["h0"], inp["scale"], inp["cu_host"])
+                                  leaves["h0"], inp["scale"], inp["cu_host"], normalize=normalize)
         out = {"o": o.detach(), "ht": ht.detach(),
                "oracle": f"torch float64 recurrence (flashgdn.reference unavailable: {why[:120]})"}
         if with_grads:

@@ -6,8 +6,9 @@ the binaries in on-disk caches (~/.tilelang/cache, ~/.triton/cache, the CuTe DSL
 Compiling is single-threaded per process: cold, one FlashQLA task takes ~4-6 min, and the full
 matrix ~2 hours of CPU, which is most of a run. Here one task per (contender, Hq/Hv, forward or
 forward+backward) runs in its own process (niceness 19), ``workers`` at a time, and calls the
-contender once on every layout of the selection that the task covers; the timed process then
-loads the binaries from the caches.
+contender once on every layout of the selection that the task covers, in each selected q/k
+convention (the conventions share the kernels: the second call of a layout loads what the first
+compiled); the timed process then loads the binaries from the caches.
 
 The timed process does not wait for the whole warm-up (Warmup): it times every (cell,
 contender) whose task has ended, and the others when theirs ends, so flashgdn (nothing to
@@ -24,7 +25,7 @@ timed process autotunes for real, with the binaries already on disk.
 
 Markers (opt-in: set FLASHGDN_PREWARM_DIR to a folder kept together with the compile caches,
 as scripts/gpu_bench.sh does under /tmp/peer-cache): a task that completed writes a marker
-named by the peer's version, heads, gradients and layouts; a later run on a machine holding those
+named by the peer's version, heads, gradients, layouts and q/k conventions; a later run on a machine holding those
 caches (the same machine, or caches carried from one) skips the tasks that have a marker.
 """
 from __future__ import annotations
@@ -68,7 +69,9 @@ def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable,
          check: Optional[Tuple[int, int, bool]] = None) -> List[Dict]:
     """Tasks: one per (peer, Hq, Hv, grad), each with the layouts (names) of its cells, smallest
     first: the compiles happen while a task holds little device memory (a dozen tasks share the
-    GPU), and the large layouts then run briefly with the kernels already loaded.
+    GPU), and the large layouts then run briefly with the kernels already loaded. ``qk_norms``:
+    the q/k conventions of its cells; the task calls every layout in each (they share the
+    kernels, configs.py).
     ``refuses(name, cell)`` -> reason or None skips cells the contender refuses up front.
     ``check``: (Hq, Hv, grad) of the accuracy check; those tasks call the check shape first.
 
@@ -77,6 +80,7 @@ def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable,
     gradients first; then the other peers' forward tasks and last their gradient tasks, which
     are skipped when that peer's backward was refused on the check (Warmup)."""
     groups: Dict[Tuple[str, int, int, bool], List[str]] = {}
+    norms: Dict[Tuple[str, int, int, bool], set] = {}
     heads_rank: Dict[Tuple[int, int], int] = {}
     for c in cells:
         heads_rank.setdefault((c.Hq, c.Hv), len(heads_rank))
@@ -88,6 +92,7 @@ def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable,
             lays = groups.setdefault(key, [])
             if c.layout.name not in lays:
                 lays.append(c.layout.name)
+            norms.setdefault(key, set()).add(c.qk_norm)
     lay_of = known_layouts()
     for lays in groups.values():
         lays.sort(key=lambda n: (lay_of[n].total, lay_of[n].nseq))
@@ -101,7 +106,8 @@ def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable,
             if key is not None:
                 groups[key].insert(0, C.CHECK_LAYOUT.name)
                 checked.add(key)
-    tasks = [dict(contender=name, Hq=hq, Hv=hv, grad=grad, layouts=lays)
+    tasks = [dict(contender=name, Hq=hq, Hv=hv, grad=grad, layouts=lays,
+                  qk_norms=[n for n in C.QK_NORMS if n in norms[(name, hq, hv, grad)]])
              for (name, hq, hv, grad), lays in groups.items()]
 
     def rank(t):
@@ -116,9 +122,14 @@ def plan(cells: Sequence[C.Cell], contenders: Sequence, refuses: Callable,
     return tasks
 
 
+def task_norms(spec: Dict) -> List[str]:
+    """The q/k conventions a task calls (a task of a run before the conventions: in_kernel)."""
+    return list(spec.get("qk_norms") or ["in_kernel"])
+
+
 def run_task(spec: Dict) -> Dict:
-    """In a worker process: one call per layout; stops a grad task at its first refusal (the
-    backward's refusal does not depend on the layout)."""
+    """In a worker process: one call per layout and q/k convention; stops a grad task at its first
+    refusal (the backward's refusal does not depend on the layout)."""
     import torch
 
     from .contenders import ALL
@@ -133,12 +144,12 @@ def run_task(spec: Dict) -> Dict:
     stream = torch.cuda.Stream()
     mode = "fwdbwd" if spec["grad"] else "fwd"
     done = []
-    for name in spec["layouts"]:
+    for name, qk in [(n, q) for n in spec["layouts"] for q in task_norms(spec)]:
         t0 = time.perf_counter()
         status = "ok"
         try:
             inp = make_inputs(spec["Hq"], spec["Hv"], lay_of[name], seed=0, requires_grad=spec["grad"],
-                              with_grads_out=spec["grad"])
+                              with_grads_out=spec["grad"], qk_norm=qk)
             fn = make_fn(torch, obj, obj.convert(inp), mode, stream)
             out = fn()
             torch.cuda.synchronize()
@@ -146,7 +157,7 @@ def run_task(spec: Dict) -> Dict:
         except Exception as e:  # reported, not raised: the timed run meets it again and says so
             status = f"{classify(e)}: {type(e).__name__}: {str(e)[:200]}"
         torch.cuda.empty_cache()
-        done.append(dict(layout=name, s=round(time.perf_counter() - t0, 2), status=status))
+        done.append(dict(layout=name, qk_norm=qk, s=round(time.perf_counter() - t0, 2), status=status))
         if status.startswith("refused") and spec["grad"]:
             break
     return dict(spec, s=round(time.perf_counter() - t_all, 1), calls=done)
@@ -223,7 +234,8 @@ def marker_path(task: Dict, version: str) -> Optional[Path]:
     root = os.environ.get(MARKER_ENV)
     if not root:
         return None
-    what = json.dumps([version, task["contender"], task["Hq"], task["Hv"], bool(task["grad"]), task["layouts"]])
+    what = json.dumps([version, task["contender"], task["Hq"], task["Hv"], bool(task["grad"]), task["layouts"],
+                       task_norms(task)])
     digest = hashlib.sha1(what.encode()).hexdigest()[:16]
     return Path(root) / f"{task['contender']}-{task['Hq']}-{task['Hv']}-{'grad' if task['grad'] else 'fwd'}-{digest}.json"
 
@@ -234,7 +246,7 @@ def completed(result: Dict) -> bool:
     calls = result.get("calls") or []
     if result.get("error") or not calls:
         return False
-    if all(c["status"] == "ok" for c in calls) and len(calls) == len(result["layouts"]):
+    if all(c["status"] == "ok" for c in calls) and len(calls) == len(result["layouts"]) * len(task_norms(result)):
         return True
     return bool(result["grad"]) and calls[-1]["status"].startswith("refused") and \
         all(c["status"] == "ok" for c in calls[:-1])

@@ -1,6 +1,10 @@
 """Results: CSV, JSON, a markdown table, PNG plots; merging the parts of a split run.
 
     python bench/run.py report --merge DIR [DIR ...] --out DIR
+
+Every row carries its q/k convention (``qk_norm``: configs.QK_NORMS); the tables come one per
+mode and convention. Results of runs before the column (no ``qk_norm`` in their rows, the
+accuracy check keyed by contender alone) measured the in_kernel convention and are read as such.
 """
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ import re
 from pathlib import Path
 from typing import Dict, List
 
+from .configs import QK_NORMS
+
 CONTENDER_ORDER = ["flashgdn", "flashqla", "flashinfer", "fla"]
 PEERS = ["flashqla", "flashinfer", "fla"]
 MODE_TITLE = {"fwd": "Forward (inference: no saved state)", "bwd": "Backward alone",
               "fwdbwd": "Forward + backward"}
-CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode", "contender", "status",
+QK_TITLE = {"in_kernel": "q, k normalised in the call (in_kernel)",
+            "prenormalized": "q, k normalised before the call (prenormalized)"}
+CSV_FIELDS = ["config", "Hq", "Hv", "layout", "kind", "nseq", "T_total", "mode", "qk_norm", "contender", "status",
               "reason", "ms", "speedup_of_flashgdn", "method", "reps", "spread", "nsets", "error", "err_o",
               "err_ht", "err_grad", "mem_mib", "first_call_s", "floor_ms", "floor_frac", "tflops", "gbps",
               "floor_flop", "floor_bytes", "wall_s", "warmup_running"]
@@ -36,11 +44,32 @@ def _ok(r) -> bool:
     return r.get("status") == "ok" and isinstance(r.get("ms"), (int, float)) and r["ms"] == r["ms"]
 
 
+def qk_of(r: Dict) -> str:
+    """A row's q/k convention; a row of a run before the column measured in_kernel."""
+    return r.get("qk_norm") or "in_kernel"
+
+
+def accuracy_by_norm(acc: Dict) -> Dict[str, Dict]:
+    """The accuracy check as {qk_norm: {contender: result}}; a run before the conventions kept
+    {contender: result} (in_kernel)."""
+    if not acc:
+        return {}
+    if set(acc) <= set(QK_NORMS):
+        return acc
+    return {"in_kernel": acc}
+
+
+def _norms(rows: List[Dict], acc: Dict = None) -> List[str]:
+    """The conventions present, in QK_NORMS order (then any unknown one)."""
+    seen = {qk_of(r) for r in rows} | set(accuracy_by_norm(acc or {}))
+    return [n for n in QK_NORMS if n in seen] + sorted(seen - set(QK_NORMS))
+
+
 def _cells(rows: List[Dict]):
-    """{(mode, config, layout): {contender: row}} in first-seen order."""
+    """{(mode, qk_norm, config, layout): {contender: row}} in first-seen order."""
     out = {}
     for r in rows:
-        out.setdefault((r["mode"], r["config"], r["layout"]), {})[r["contender"]] = r
+        out.setdefault((r["mode"], qk_of(r), r["config"], r["layout"]), {})[r["contender"]] = r
     return out
 
 
@@ -73,7 +102,8 @@ def write_csv(path: Path, rows: List[Dict]) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (_fmt(r.get(k), 6) if isinstance(r.get(k), float) else r.get(k, "")) for k in CSV_FIELDS})
+            w.writerow({k: (_fmt(r.get(k), 6) if isinstance(r.get(k), float) else r.get(k, "")) for k in CSV_FIELDS}
+                       | {"qk_norm": qk_of(r)})
 
 
 def _json_safe(x):
@@ -87,39 +117,45 @@ def _json_safe(x):
 
 
 def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
+    acc = accuracy_by_norm(acc)
     names = [n for n in CONTENDER_ORDER if any(r["contender"] == n for r in rows)] or \
-        [n for n in CONTENDER_ORDER if n in acc]
+        [n for n in CONTENDER_ORDER if any(n in a for a in acc.values())]
     peers = [n for n in names if n != "flashgdn"]
     L = [f"# flashgdn benchmark: {hdr.get('gpu', '?')}, {hdr.get('date', '?')}", ""]
     L += ["| | |", "|---|---|"]
     for k in ("gpu", "sm_count", "l2_mb", "driver", "torch", "cuda", "triton", "python", "flashgdn_commit",
-              "selection", "argv", "copy_GBps", "bf16_TFLOPs", "oracle", "check_shape", "wall_s", "parts"):
+              "selection", "qk_norms", "argv", "copy_GBps", "bf16_TFLOPs", "oracle", "check_shape", "wall_s", "parts"):
         if k in hdr:
             L.append(f"| {k} | {hdr[k]} |")
     for n, v in hdr.get("contenders", {}).items():
         L.append(f"| {n} | {v} |")
     L += ["", "K = V = 128; q, k, v bf16; g = -A softplus(x + 1) fp32 with A per head in [0, 16] "
           "and one head A = 0; beta fp32 in (0, 1); fp32 initial state; final state returned; "
-          "use_qk_l2norm_in_kernel = True; scale = K^-0.5. ms: median per call; floor: gdn-math "
-          "section 4 with the copy bandwidth and bf16 rate above (bench/README.md).", ""]
+          "scale = K^-0.5. q/k convention (`qk_norm`): in_kernel = raw q, k, every call normalises "
+          "them (use_qk_l2norm_in_kernel = True; FlashInfer's separate pass, timed); prenormalized = "
+          "q, k L2-normalised when the inputs are made (not timed), no call normalises "
+          "(use_qk_l2norm_in_kernel = False; FlashInfer's native call), gradients w.r.t. the "
+          "normalised q, k. ms: median per call; floor: gdn-math section 4 with the copy bandwidth "
+          "and bf16 rate above (bench/README.md).", ""]
     if acc:
-        L += ["## Accuracy (relative L2 error against the float64 oracle)", "",
-              "| contender | status | o | final state | dq | dk | dv | dg | dbeta | dh0 | first call s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for n in [x for x in CONTENDER_ORDER if x in acc]:
-            r = acc[n]
-            L.append(f"| {n} | {r.get('status', '')[:200]} | " + " | ".join(
-                _e(r.get(k)) for k in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
-                + f" | {_fmt(r.get('first_call_s'), 1)} |")
+        L += ["## Accuracy (relative L2 error against the float64 oracle, on each convention's inputs)", "",
+              "| contender | q/k | status | o | final state | dq | dk | dv | dg | dbeta | dh0 | first call s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for n in [x for x in CONTENDER_ORDER if any(x in a for a in acc.values())]:
+            for qk in [q for q in _norms([], acc) if n in acc[q]]:
+                r = acc[qk][n]
+                L.append(f"| {n} | {qk} | {r.get('status', '')[:200]} | " + " | ".join(
+                    _e(r.get(k)) for k in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"))
+                    + f" | {_fmt(r.get('first_call_s'), 1)} |")
         L.append("")
     L += prewarm_section(hdr)
     cells = _cells(rows)
     notes = {}
-    for mode in ("fwd", "bwd", "fwdbwd"):
-        keys = [k for k in cells if k[0] == mode]
+    for mode, qk in [(m, q) for m in ("fwd", "bwd", "fwdbwd") for q in _norms(rows)]:
+        keys = [k for k in cells if k[:2] == (mode, qk)]
         if not keys:
             continue
-        L += [f"## {MODE_TITLE[mode]}: ms per call", "",
+        L += [f"## {MODE_TITLE[mode]}, {QK_TITLE.get(qk, qk)}: ms per call", "",
               "| Hq/Hv | layout | " + " | ".join(names) + " | best peer | flashgdn speedup vs best"
               + "".join(f" | vs {p}" for p in peers) + " | floor ms | flashgdn % of floor |",
               "|---|---|" + "---|" * (len(names) + 4 + len(peers))]
@@ -145,7 +181,7 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
                    for p in peers]
             any_r = next(iter(by.values()))
             frac = (any_r["floor_ms"] / me["ms"] * 100) if (me and _ok(me)) else float("nan")
-            L.append(f"| {key[1]} | {key[2]} | " + " | ".join(vals)
+            L.append(f"| {key[2]} | {key[3]} | " + " | ".join(vals)
                      + f" | {best[1] + ' ' + format(best[0], '.3f') if best else ''} | {_fmt(sp_best, 2)}"
                      + "".join(f" | {_fmt(s, 2)}" for s in sps)
                      + f" | {_fmt(any_r.get('floor_ms'), 3)} | {_fmt(frac, 1)} |")
@@ -155,13 +191,13 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
     ok_rows = [r for r in rows if _ok(r)]
     if ok_rows:
         L += ["## Peak extra device memory per call (MiB) and first-call time (s)", "",
-              "| mode | Hq/Hv | layout | " + " | ".join(f"{n} MiB" for n in names) + " | "
+              "| mode | q/k | Hq/Hv | layout | " + " | ".join(f"{n} MiB" for n in names) + " | "
               + " | ".join(f"{n} first s" for n in names) + " |",
-              "|---|---|---|" + "---|" * (2 * len(names))]
+              "|---|---|---|---|" + "---|" * (2 * len(names))]
         for key, by in cells.items():
             if not any(_ok(r) for r in by.values()):
                 continue
-            L.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+            L.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
                      + " | ".join(_fmt(by[n].get("mem_mib"), 0) if n in by and _ok(by[n]) else "" for n in names)
                      + " | " + " | ".join(_fmt(by[n].get("first_call_s"), 1) if n in by and _ok(by[n]) else ""
                                           for n in names) + " |")
@@ -169,7 +205,7 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
         methods = {}
         for r in ok_rows:
             methods.setdefault(r["contender"], {}).setdefault(r["method"][:140], []).append(
-                f"{r['mode']} {r['config']} {r['layout']}")
+                f"{r['mode']} {qk_of(r)} {r['config']} {r['layout']}")
         L += ["## Timing method", ""]
         for n, ms in methods.items():
             for m, where in ms.items():
@@ -214,26 +250,29 @@ def prewarm_section(hdr: Dict) -> List[str]:
 
 def standing(rows: List[Dict]) -> str:
     """Per cell, flashgdn's speedup over the best peer of that cell and which peer it was: one
-    table per mode, head configurations by layouts, with the geometric mean per row and mode."""
+    table per mode and q/k convention, head configurations by layouts, with the geometric mean
+    per row and table."""
     tag = {"flashqla": "Q", "flashinfer": "I", "fla": "F"}
     cells = _cells(rows)
     L = ["# Where flashgdn stands, per cell", "",
          "Each entry: best peer ms / flashgdn ms (below 1: flashgdn is slower) and the best peer: "
          "Q = FlashQLA, I = FlashInfer, F = FLA (versions in results.md, with every ms, error, "
-         "memory and the floor). Empty: flashgdn or every peer has no time for that cell.", ""]
-    for mode in ("fwd", "bwd", "fwdbwd"):
-        keys = [k for k in cells if k[0] == mode]
+         "memory and the floor). Empty: flashgdn or every peer has no time for that cell. One table "
+         "per mode and q/k convention: in_kernel, every call normalises q and k; prenormalized, "
+         "they are normalised before the call and no call normalises (bench/README.md).", ""]
+    for mode, qk in [(m, q) for m in ("fwd", "bwd", "fwdbwd") for q in _norms(rows)]:
+        keys = [k for k in cells if k[:2] == (mode, qk)]
         if not keys:
             continue
-        lays = list(dict.fromkeys(k[2] for k in keys))
-        L += [f"## {MODE_TITLE[mode]}", "",
+        lays = list(dict.fromkeys(k[3] for k in keys))
+        L += [f"## {MODE_TITLE[mode]}, {QK_TITLE.get(qk, qk)}", "",
               "| Hq/Hv | " + " | ".join(x.split("(")[0] for x in lays) + " | geomean |",
               "|---|" + "---|" * (len(lays) + 1)]
         every = []
-        for h in dict.fromkeys(k[1] for k in keys):
+        for h in dict.fromkeys(k[2] for k in keys):
             vals, ratios = [], []
             for lay in lays:
-                by = cells.get((mode, h, lay), {})
+                by = cells.get((mode, qk, h, lay), {})
                 me = by.get("flashgdn")
                 ok = [(by[p]["ms"], p) for p in PEERS if p in by and _ok(by[p])]
                 if not (me and _ok(me) and ok):
@@ -262,21 +301,27 @@ def plots(out: Path, rows: List[Dict]) -> List[str]:
     except Exception as e:
         return [f"no plots: {e}"]
     made = []
-    # time vs T per head configuration: forward on one sequence
+    # time vs T per head configuration: forward on one sequence; each contender one colour, solid
+    # for in_kernel, dashed for prenormalized
     fwd = [r for r in rows if r["mode"] == "fwd" and r["kind"] == "seq" and _ok(r)]
     configs = list(dict.fromkeys(r["config"] for r in fwd))
+    norms = _norms(rows)
+    style = {qk: ("-", "--", "-.", ":")[min(j, 3)] for j, qk in enumerate(norms)}
     if configs:
         ncol = min(4, len(configs))
         nrow = -(-len(configs) // ncol)
         fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
         for ax, cfg in zip(axes.flat, configs):
-            for n in CONTENDER_ORDER:
-                pts = sorted((r["T_total"], r["ms"]) for r in fwd if r["config"] == cfg and r["contender"] == n)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+            for j, n in enumerate(CONTENDER_ORDER):
+                for qk in norms:
+                    pts = sorted((r["T_total"], r["ms"]) for r in fwd
+                                 if r["config"] == cfg and r["contender"] == n and qk_of(r) == qk)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j}",
+                                linestyle=style[qk], label=n if len(norms) == 1 else f"{n} {qk}")
             fl = sorted({(r["T_total"], r["floor_ms"]) for r in fwd if r["config"] == cfg})
             if fl:
-                ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", lw=1, label="floor")
+                ax.plot([p[0] for p in fl], [p[1] for p in fl], "k:", lw=1, label="floor")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"forward Hq/Hv {cfg}")
@@ -300,7 +345,7 @@ def plots(out: Path, rows: List[Dict]) -> List[str]:
         oks = {n: r["ms"] for n, r in by.items() if _ok(r)}
         if not oks or (have_me and not (me and _ok(me))):
             continue
-        labels.append(f"{key[0]} {key[1]} {key[2]}")
+        labels.append(" ".join(key if len(norms) > 1 else key[:1] + key[2:]))
         ref = me["ms"] if have_me else min(oks.values())
         for n in (PEERS if have_me else CONTENDER_ORDER):
             series.setdefault(n, []).append(oks[n] / ref if n in oks else float("nan"))
@@ -347,14 +392,17 @@ _plots = plots
 
 def summary_text(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
     """A short table for the end of the output (the device reply carries its tail)."""
+    acc = accuracy_by_norm(acc)
     cells = _cells(rows)
     names = [n for n in CONTENDER_ORDER if any(r["contender"] == n for r in rows)]
     L = [f"{hdr.get('gpu')}  torch {hdr.get('torch')}  copy {hdr.get('copy_GBps')} GB/s  "
          f"bf16 {hdr.get('bf16_TFLOPs')} TFLOP/s  wall {hdr.get('wall_s')} s"]
-    for n, r in acc.items():
-        L.append(f"check {n:10s} {r.get('status', '')[:60]:30s} o {_e(r.get('o'))} ht {_e(r.get('ht'))} "
-                 + " ".join(f"{k} {_e(r.get(k))}" for k in ("dq", "dk", "dv", "dg", "dbeta", "dh0") if k in r))
-    L.append(f"{'mode':6s} {'Hq/Hv':6s} {'layout':26s} " + " ".join(f"{n:>12s}" for n in names)
+    for qk, by_n in acc.items():
+        for n, r in by_n.items():
+            L.append(f"check {n:10s} {qk:13s} {r.get('status', '')[:60]:30s} o {_e(r.get('o'))} "
+                     f"ht {_e(r.get('ht'))} "
+                     + " ".join(f"{k} {_e(r.get(k))}" for k in ("dq", "dk", "dv", "dg", "dbeta", "dh0") if k in r))
+    L.append(f"{'mode':6s} {'q/k':13s} {'Hq/Hv':6s} {'layout':26s} " + " ".join(f"{n:>12s}" for n in names)
              + f" {'x best':>7s} {'floor':>7s}")
     for key, by in cells.items():
         vals = []
@@ -365,7 +413,8 @@ def summary_text(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
         best = min([by[p]["ms"] for p in PEERS if p in by and _ok(by[p])] or [float("nan")])
         sp = best / me["ms"] if me and _ok(me) and best == best else float("nan")
         fl = next(iter(by.values())).get("floor_ms", float("nan"))
-        L.append(f"{key[0]:6s} {key[1]:6s} {key[2][:26]:26s} " + " ".join(vals) + f" {_fmt(sp, 2):>7s} {_fmt(fl, 3):>7s}")
+        L.append(f"{key[0]:6s} {key[1]:13s} {key[2]:6s} {key[3][:26]:26s} " + " ".join(vals)
+                 + f" {_fmt(sp, 2):>7s} {_fmt(fl, 3):>7s}")
     return "\n".join(L)
 
 
@@ -389,12 +438,15 @@ def merge(dirs: List[str]):
         for n, v in (h.get("contenders") or {}).items():
             if "not installed" in str(hdr["contenders"].get(n, "not installed")):
                 hdr["contenders"][n] = v
-        for n, v in (j.get("accuracy") or {}).items():
-            if n not in acc or (acc[n].get("status") != "ok" and v.get("status") == "ok"):
-                acc[n] = v
+        for qk, by_n in accuracy_by_norm(j.get("accuracy") or {}).items():
+            mine = acc.setdefault(qk, {})
+            for n, v in by_n.items():
+                if n not in mine or (mine[n].get("status") != "ok" and v.get("status") == "ok"):
+                    mine[n] = v
         for r in j["rows"]:
             r = {k: (float("nan") if v is None and k not in ("reason", "method") else v) for k, v in r.items()}
-            key = (r["mode"], r["config"], r["layout"], r["contender"])
+            r["qk_norm"] = qk_of(r)  # rows of a run before the column: in_kernel
+            key = (r["mode"], r["qk_norm"], r["config"], r["layout"], r["contender"])
             if key not in rows or (not _ok(rows[key]) and _ok(r)):
                 rows[key] = r
     hdr["parts"] = "; ".join(parts)
@@ -408,11 +460,13 @@ def merge(dirs: List[str]):
         hdr["prewarm"] = dict(workers=", ".join(str(w) for w in sorted(pre_workers, key=str)),
                               wall_s=" + ".join(pre_wall), tasks=pre_tasks)
     hdr["selection"] = "merged"
+    hdr["qk_norms"] = ", ".join(_norms(merged, acc))
     return hdr, merged, acc
 
 
 def matrix_order(r: Dict):
-    """Rows of merged parts in the order of the matrix (configs.py): mode, heads, layout, contender."""
+    """Rows of merged parts in the order of the matrix (configs.py): mode, heads, layout, q/k
+    convention, contender."""
     from . import configs as C
 
     heads = C.FWD_HEADS + [h for h in C.BWD_HEADS if h not in C.FWD_HEADS]
@@ -421,6 +475,7 @@ def matrix_order(r: Dict):
     return (C.MODES.index(r["mode"]) if r["mode"] in C.MODES else 9,
             heads.index(key_h) if key_h in heads else 99,
             layouts.index(r["layout"]) if r["layout"] in layouts else 99,
+            C.QK_NORMS.index(qk_of(r)) if qk_of(r) in C.QK_NORMS else 9,
             CONTENDER_ORDER.index(r["contender"]) if r["contender"] in CONTENDER_ORDER else 9)
 
 

@@ -1,5 +1,6 @@
 """CPU tests of the peer benchmark harness, the repository's bench/gdnbench (not part of the
-installed package), without a GPU or peers: the matrix and its split into parts, the compile
+installed package), without a GPU or peers: the matrix and its split into parts, the q/k
+conventions (cells, inputs, the oracle, the contenders' calls, the result columns), the compile
 warm-up plan, merging the parts' results into one table, and its entry points (bench/run.py and
 the warm-up's worker processes) with and without flashgdn."""
 import json
@@ -22,7 +23,7 @@ from gdnbench import report as R  # noqa: E402
 
 
 def test_full_matrix_matches_the_issue():
-    cells = C.full_cells()
+    cells = C.full_cells(("in_kernel",))
     fwd = [c for c in cells if c.mode == "fwd"]
     assert {(c.Hq, c.Hv) for c in fwd} == set(C.FWD_HEADS) and len(C.FWD_HEADS) == 12
     assert {(c.Hq, c.Hv) for c in cells if c.mode != "fwd"} == set(C.BWD_HEADS)
@@ -30,6 +31,55 @@ def test_full_matrix_matches_the_issue():
     assert len(cells) == len(fwd) + 2 * 5 * len(C.BWD_LAYOUTS) == 224
     mix = [lay for lay in C.FWD_LAYOUTS if lay.name.startswith("mix")][0]
     assert mix.total == 32768 and mix.lens[0] == 16384 and all(100 <= n <= 1000 for n in mix.lens[1:])
+
+
+@pytest.mark.parametrize("select", [C.full_cells, C.quick_cells])
+def test_every_cell_runs_in_both_q_k_conventions_by_default(select):
+    """Issues 36 and 37: every mode in both conventions, a cell's conventions next to each other."""
+    assert C.QK_NORMS == ("in_kernel", "prenormalized")
+    both, one = select(), select(("in_kernel",))
+    assert {c.qk_norm for c in one} == {"in_kernel"}
+    assert len(both) == 2 * len(one) and len({c.key for c in both}) == len(both)
+    assert [c.qk_norm for c in both] == ["in_kernel", "prenormalized"] * len(one)
+    base = [(c.Hq, c.Hv, c.layout, c.mode) for c in both]
+    assert base[0::2] == base[1::2] == [(c.Hq, c.Hv, c.layout, c.mode) for c in one]
+    assert {c.mode for c in both if c.qk_norm == "prenormalized"} == {c.mode for c in one}
+    pre = select(("prenormalized",))
+    assert [c.key for c in pre] == [c.key for c in both if c.qk_norm == "prenormalized"]
+
+
+def test_qk_norm_option_selects_the_conventions():
+    from gdnbench.cli import _parse, select_cells
+
+    assert C.parse_qk_norms(None) == C.parse_qk_norms("") == C.QK_NORMS
+    assert C.parse_qk_norms("prenormalized, in_kernel") == ("in_kernel", "prenormalized")
+    assert C.parse_qk_norms("prenormalized") == ("prenormalized",)
+    with pytest.raises(ValueError, match="--qk-norm: expected a comma list of in_kernel, prenormalized"):
+        C.parse_qk_norms("in_kernel,l2")
+    with pytest.raises(ValueError):
+        C.parse_qk_norms(",")
+    with pytest.raises(ValueError, match="qk_norm: expected one of"):
+        C.norm_in_call("both")
+    assert C.norm_in_call("in_kernel") and not C.norm_in_call("prenormalized")
+    cells = select_cells(_parse(["--quick"]))
+    assert len(cells) == 14 and {c.qk_norm for c in cells} == set(C.QK_NORMS)
+    cells = select_cells(_parse(["--full", "--qk-norm", "prenormalized", "--modes", "bwd", "--configs", "2/8"]))
+    assert len(cells) == len(C.BWD_LAYOUTS) and {(c.qk_norm, c.mode) for c in cells} == {("prenormalized", "bwd")}
+    # Parts keep whole head configurations, so both conventions of a cell land in the same part.
+    for i in (1, 2):
+        part = select_cells(_parse(["--full", "--part", f"{i}/2"]))
+        keys = {(c.Hq, c.Hv, c.layout, c.mode) for c in part}
+        assert {(k, n) for k in keys for n in C.QK_NORMS} == {((c.Hq, c.Hv, c.layout, c.mode), c.qk_norm) for c in part}
+    with pytest.raises(SystemExit, match="--qk-norm: expected"):
+        select_cells(_parse(["--full", "--qk-norm", "pre"]))
+
+
+def test_estimate_counts_each_conventions_cells_and_shares_the_warm_up():
+    one, both = C.quick_cells(("in_kernel",)), C.quick_cells()
+    assert C._warmup_tasks(one) == C._warmup_tasks(both)  # the conventions compile the same kernels
+    extra = C.S_STOPPED_PER_CELL * (len(both) - len(one))  # the warm-up is longer than the timing here
+    assert math.isclose(C.estimate_s(both), C.estimate_s(one) + extra)
+    assert C.estimate_s(C.full_cells()) > C.estimate_s(C.full_cells(("prenormalized",)))
 
 
 def test_parts_cover_the_matrix_once_with_whole_head_configurations():
@@ -45,7 +95,7 @@ def test_parts_cover_the_matrix_once_with_whole_head_configurations():
 
 
 def test_estimate_overlaps_the_warm_up_with_the_timing():
-    one = [c for c in C.full_cells() if (c.Hq, c.Hv) == (4, 4)]  # forward only: 3 peers' forward tasks
+    one = [c for c in C.full_cells(("in_kernel",)) if (c.Hq, c.Hv) == (4, 4)]  # forward only: 3 peers' forward tasks
     longest = C.PREWARM_TASK_S[("flashqla", False)]  # one task is longer than the three spread over 16
     expect = C.S_START + max(longest + C.S_STOPPED_PER_CELL * len(one) + C.S_TAIL, C.S_PER_CELL["fwd"] * len(one))
     assert math.isclose(C.estimate_s(one, workers=16), expect)
@@ -75,6 +125,20 @@ def test_prewarm_plan_groups_by_peer_heads_and_gradients():
         assert sizes == sorted(sizes)  # compile on the small layouts first
         want = {c.layout.name for c in cells if (c.Hq, c.Hv) == (t["Hq"], t["Hv"]) and (c.mode != "fwd") == t["grad"]}
         assert set(t["layouts"]) == want
+        assert t["qk_norms"] == list(C.QK_NORMS)  # one task calls each layout in both conventions
+    pre = P.plan([c for c in cells if c.qk_norm == "prenormalized"], ["fla", "flashqla"], refuses)
+    assert [(t["contender"], t["Hq"], t["Hv"], t["grad"]) for t in pre] == [k for k in keys if k[0] != "flashinfer"]
+    assert all(t["qk_norms"] == ["prenormalized"] for t in pre)
+
+
+def test_prewarm_task_is_complete_with_every_layout_in_every_convention(tmp_path, monkeypatch):
+    t = dict(contender="fla", Hq=2, Hv=8, grad=False, layouts=["1x2048", "1x4096"], qk_norms=list(C.QK_NORMS))
+    ok = [dict(layout=n, qk_norm=q, status="ok") for n in t["layouts"] for q in C.QK_NORMS]
+    assert P.completed(dict(t, calls=ok)) and not P.completed(dict(t, calls=ok[:2]))
+    old = {k: v for k, v in t.items() if k != "qk_norms"}  # a task of a run before the conventions
+    assert P.task_norms(old) == ["in_kernel"] and P.completed(dict(old, calls=ok[0::2]))
+    monkeypatch.setenv(P.MARKER_ENV, str(tmp_path))
+    assert P.marker_path(t, "v1") != P.marker_path(dict(t, qk_norms=["in_kernel"]), "v1")
 
 
 def test_warmed_keeps_only_tasks_without_their_own_error():
@@ -83,20 +147,24 @@ def test_warmed_keeps_only_tasks_without_their_own_error():
     assert P.warmed(s) == {("fla", 2, 8, False)}
 
 
-def _row(contender, ms, status="ok", config="2/8", layout="1x8192", mode="fwd"):
-    return dict(config=config, Hq=2, Hv=8, layout=layout, kind="seq", nseq=1, T_total=8192, mode=mode,
-                contender=contender, status=status, reason="" if status == "ok" else "time budget",
-                ms=ms, floor_ms=0.01, mem_mib=1.0, first_call_s=0.1, method="graph")
+def _row(contender, ms, status="ok", config="2/8", layout="1x8192", mode="fwd", qk_norm=None):
+    """A result row; without qk_norm, as a run before the column wrote it."""
+    r = dict(config=config, Hq=2, Hv=8, layout=layout, kind="seq", nseq=1, T_total=8192, mode=mode,
+             contender=contender, status=status, reason="" if status == "ok" else "time budget",
+             ms=ms, floor_ms=0.01, mem_mib=1.0, first_call_s=0.1, method="graph")
+    if qk_norm is not None:
+        r["qk_norm"] = qk_norm
+    return r
 
 
-def _part(tmp_path, name, commit, rows, tasks=()):
+def _part(tmp_path, name, commit, rows, tasks=(), accuracy=None):
     d = tmp_path / name
     d.mkdir()
     hdr = dict(gpu="H100", date="2026-11-23", flashgdn_commit=commit, selection="full", argv="--full",
                copy_GBps=3000.0, bf16_TFLOPs=760.0, contenders={"flashgdn": "0.1.0", "fla": "0.6.0"},
                prewarm=dict(workers=16, wall_s=10.0, tasks=list(tasks)))
-    (d / "results.json").write_text(json.dumps({"header": hdr, "accuracy": {"flashgdn": {"status": "ok"}},
-                                                "rows": rows}))
+    acc = {"flashgdn": {"status": "ok"}} if accuracy is None else accuracy  # default: the old format
+    (d / "results.json").write_text(json.dumps({"header": hdr, "accuracy": acc, "rows": rows}))
     return str(d)
 
 
@@ -123,6 +191,72 @@ def test_standing_names_the_best_peer_and_the_ratio():
     text = R.standing(rows)
     assert "| 2/8 | 0.20 I | 2.00 Q | 0.63 |" in text  # geomean of 0.2 and 2.0
     assert "2 cells: geometric mean 0.632, worst 0.200, best 2.000; flashgdn faster than the best peer in 1 of them." in text
+
+
+def _both_conventions():
+    """One cell in both conventions: flashgdn leads in_kernel (2.0 / 1.0) and trails prenormalized."""
+    return [_row("flashgdn", 1.0, qk_norm="in_kernel"), _row("flashqla", 2.0, qk_norm="in_kernel"),
+            _row("flashgdn", 1.6, qk_norm="prenormalized"), _row("flashqla", 1.2, qk_norm="prenormalized")]
+
+
+def test_results_carry_the_q_k_convention_in_every_file(tmp_path):
+    import csv
+
+    rows = _both_conventions()
+    acc = {"in_kernel": {"flashgdn": {"status": "ok", "o": 1e-3}},
+           "prenormalized": {"flashgdn": {"status": "ok", "o": 2e-3}}}
+    R.write_all(tmp_path, dict(gpu="H100", date="2026-11-28", qk_norms="in_kernel, prenormalized"), rows, acc)
+    with open(tmp_path / "results.csv") as f:
+        got = list(csv.DictReader(f))
+    assert R.CSV_FIELDS.index("qk_norm") == R.CSV_FIELDS.index("mode") + 1
+    assert [(r["contender"], r["qk_norm"], r["ms"]) for r in got] == [
+        ("flashgdn", "in_kernel", "1.000000"), ("flashqla", "in_kernel", "2.000000"),
+        ("flashgdn", "prenormalized", "1.600000"), ("flashqla", "prenormalized", "1.200000")]
+    assert got[1]["speedup_of_flashgdn"] == "2.000000" and got[3]["speedup_of_flashgdn"] == "0.750000"
+    j = json.loads((tmp_path / "results.json").read_text())
+    assert [r["qk_norm"] for r in j["rows"]] == ["in_kernel"] * 2 + ["prenormalized"] * 2
+    assert j["accuracy"]["prenormalized"]["flashgdn"]["o"] == 2e-3
+    md = (tmp_path / "results.md").read_text()
+    assert "| qk_norms | in_kernel, prenormalized |" in md
+    assert "| flashgdn | in_kernel | ok | 1.0e-03 |" in md and "| flashgdn | prenormalized | ok | 2.0e-03 |" in md
+    fwd_in = "## Forward (inference: no saved state), q, k normalised in the call (in_kernel): ms per call"
+    fwd_pre = "## Forward (inference: no saved state), q, k normalised before the call (prenormalized): ms per call"
+    assert md.index(fwd_in) < md.index(fwd_pre)
+    table_pre = md[md.index(fwd_pre):].split("\n\n")[1]
+    assert "| 2/8 | 1x8192 | 1.600 | 1.200 | flashqla 1.200 | 0.75 |" in table_pre
+    assert "| fwd | prenormalized | 2/8 | 1x8192 | 1 | 1 |" in md  # memory and first-call table
+    st = (tmp_path / "standing.md").read_text()
+    st_in, st_pre = st.split("## Forward (inference: no saved state), q, k normalised before the call")
+    assert "| 2/8 | 2.00 Q | 2.00 |" in st_in and "| 2/8 | 0.75 Q | 0.75 |" in st_pre
+    text = R.summary_text({}, rows, acc)
+    assert "check flashgdn   prenormalized" in text
+    assert any(ln.startswith("fwd    prenormalized 2/8    1x8192") and ln.split()[-2] == "0.75"
+               for ln in text.splitlines())
+
+
+def test_merge_reads_a_folder_from_before_the_column_as_in_kernel(tmp_path):
+    """An old part (no qk_norm in its rows, its accuracy check keyed by contender) merges with a
+    new one: its rows are in_kernel, and a new prenormalized row of the same cell is kept beside them."""
+    old = _part(tmp_path, "old", "aaa", [_row("flashgdn", 1.0), _row("flashqla", 2.0)])
+    new = _part(tmp_path, "new", "bbb", [_row("flashgdn", 1.6, qk_norm="prenormalized"),
+                                         _row("flashqla", 1.2, qk_norm="prenormalized"),
+                                         _row("flashgdn", 9.0, qk_norm="in_kernel")],
+                accuracy={"prenormalized": {"flashgdn": {"status": "ok", "o": 2e-3}}})
+    hdr, rows, acc = R.merge([old, new])
+    assert [(r["contender"], r["qk_norm"], r["ms"]) for r in rows] == [
+        ("flashgdn", "in_kernel", 1.0), ("flashqla", "in_kernel", 2.0),  # the first part wins
+        ("flashgdn", "prenormalized", 1.6), ("flashqla", "prenormalized", 1.2)]
+    assert acc == {"in_kernel": {"flashgdn": {"status": "ok"}},
+                   "prenormalized": {"flashgdn": {"status": "ok", "o": 2e-3}}}
+    assert hdr["qk_norms"] == "in_kernel, prenormalized"
+    out = tmp_path / "merged"
+    R.write_all(out, hdr, rows, acc)
+    assert "in_kernel" in (out / "results.csv").read_text().splitlines()[1]
+    # The old folder alone: every file says in_kernel.
+    hdr, rows, acc = R.merge([old])
+    assert {r["qk_norm"] for r in rows} == {"in_kernel"} and set(acc) == {"in_kernel"}
+    R.write_all(tmp_path / "old-only", hdr, rows, acc)
+    assert "prenormalized" not in (tmp_path / "old-only" / "results.md").read_text().split("## Accuracy")[1]
 
 
 def test_prewarm_markers_skip_tasks_done_on_these_caches(tmp_path, monkeypatch):
@@ -318,6 +452,151 @@ def test_run_script_lists_and_validates_without_a_gpu():
     assert r.stdout.strip().splitlines()[-1].startswith(f"{n} cells, ")
     r = _run_script("--full", "--part", "3/2")
     assert r.returncode != 0 and "--part: expected i/n with 1 <= i <= n, got 3/2" in r.stderr
+
+
+def test_run_script_lists_the_cells_with_their_q_k_convention():
+    r = _run_script("--quick", "--list")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    cells = C.quick_cells()
+    assert lines[:-1] == [f"{c.mode:7s} {c.heads:6s} {c.qk_norm:13s} {c.layout.name}"
+                          for c in sorted(cells, key=lambda c: ((c.Hq, c.Hv) != (16, 64), c.mode != "fwd"))]
+    assert lines[-1].startswith(f"{len(cells)} cells, 2 head configurations, q/k in_kernel and prenormalized, "
+                                f"estimated {C.estimate_s(cells) / 60:.1f} min")
+    r = _run_script("--full", "--list", "--qk-norm", "prenormalized", "--modes", "fwdbwd")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 + 5 * len(C.BWD_LAYOUTS) and all(" prenormalized " in ln for ln in lines[:-1])
+    assert "q/k prenormalized, estimated" in lines[-1]
+    r = _run_script("--quick", "--list", "--qk-norm", "none")
+    assert r.returncode != 0 and "--qk-norm: expected a comma list of in_kernel, prenormalized, got 'none'" in r.stderr
+
+
+# ---- the q/k conventions: inputs, the oracle, the contenders' calls ------------------------------
+
+def _inputs(qk_norm, requires_grad=True):
+    from gdnbench import inputs
+
+    return inputs.make_inputs(2, 4, C.Layout("varlen", (5, 9)), seed=3, device="cpu", requires_grad=requires_grad,
+                              with_grads_out=True, qk_norm=qk_norm)
+
+
+def test_prenormalized_inputs_are_the_raw_ones_normalised_and_the_leaves():
+    import torch
+
+    raw, pre = _inputs("in_kernel"), _inputs("prenormalized")
+    assert raw["qk_norm"] == "in_kernel" and pre["qk_norm"] == "prenormalized"
+    for name in ("v", "g", "beta", "h0", "do", "dht"):  # the same draw otherwise
+        assert torch.equal(raw[name], pre[name]), name
+    for name in ("q", "k"):
+        x, y = raw[name].detach(), pre[name]
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape and y.is_leaf and y.requires_grad
+        norms = torch.linalg.vector_norm(y.double(), dim=-1)
+        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+        assert not torch.allclose(torch.linalg.vector_norm(x.double(), dim=-1), torch.ones_like(norms), atol=0.5)
+        assert torch.equal(y.detach(), torch.nn.functional.normalize(x.float(), dim=-1).bfloat16())
+    with pytest.raises(ValueError, match="qk_norm"):
+        _inputs("l2")
+
+
+def _hide_flashgdn(monkeypatch, which):
+    if which == "torch":
+        monkeypatch.setitem(sys.modules, "flashgdn", None)  # `from flashgdn import reference` fails
+        return
+    try:
+        import flashgdn.reference  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"flashgdn.reference does not import here: {e}")
+
+
+@pytest.mark.parametrize("which", ["torch", "flashgdn.reference"])
+def test_oracle_normalises_only_in_kernel_inputs(monkeypatch, which):
+    """The oracle gets each convention's inputs: raw q, k with its own norm (in_kernel), the
+    normalised tensors without a norm (prenormalized), gradients w.r.t. the tensors given."""
+    import torch
+
+    from gdnbench import oracle
+
+    _hide_flashgdn(monkeypatch, which)
+    names = ("q", "k", "v", "g", "beta", "h0")
+    got = {}
+    for qk in C.QK_NORMS:
+        x = _inputs(qk)
+        ref = oracle.oracle(x, True)
+        assert ref["oracle"].startswith(which if which == "torch" else "flashgdn.reference"), ref["oracle"]
+        leaves = {n: x[n].detach().double().requires_grad_(True) for n in names}
+        o, ht = oracle._torch_recurrence(*leaves.values(), x["scale"], x["cu_host"], normalize=qk == "in_kernel")
+        loss = (o * x["do"].double()).sum() + (ht * x["dht"].double()).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        assert oracle.rel_l2(ref["o"], o) < 1e-7 and oracle.rel_l2(ref["ht"], ht) < 1e-7
+        for n, gr in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+            assert oracle.rel_l2(ref[n], gr) < 1e-7, (qk, n)
+        got[qk] = (x, ref)
+    (raw, r_in), (pre, r_pre) = got["in_kernel"], got["prenormalized"]
+    # Same recurrence on (nearly) the same normalised q, k: bf16 rounding of the normalised tensors apart.
+    assert oracle.rel_l2(r_pre["o"], r_in["o"]) < 1e-2 and oracle.rel_l2(r_pre["ht"], r_in["ht"]) < 1e-2
+    for n, d in (("q", "dq"), ("k", "dk")):
+        # The chain rule through the norm, u = x / |x|: dx = (du - u <u, du>) / |x|. The prenormalized
+        # gradient keeps its radial part (no norm in its graph); projected, it gives the in_kernel one.
+        u, du = pre[n].detach().double(), torch.as_tensor(r_pre[d]).double()
+        radial = u * (u * du).sum(-1, keepdim=True)
+        nx = torch.linalg.vector_norm(raw[n].detach().double(), dim=-1, keepdim=True)
+        assert oracle.rel_l2((du - radial) / nx, r_in[d]) < 1e-2
+        assert torch.linalg.vector_norm(radial) > 0.05 * torch.linalg.vector_norm(du)
+
+
+def test_accuracy_check_matches_the_contender_and_the_oracle_per_convention(monkeypatch):
+    """flashgdn's CPU path through the harness's accuracy check: small errors where the oracle got
+    the same convention's inputs, and a wrong oracle convention shows."""
+    import torch
+
+    try:
+        from gdnbench.contenders import FlashGDN
+        c = FlashGDN()
+        c.load()
+        import flashgdn.reference  # noqa: F401
+    except Exception as e:
+        pytest.skip(f"flashgdn (with its reference) does not import here: {e}")
+    from gdnbench import oracle
+    from gdnbench.cli import accuracy_check
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    for qk, other in (("in_kernel", "prenormalized"), ("prenormalized", "in_kernel")):
+        x = _inputs(qk)
+        r = accuracy_check(torch, c, x, oracle.oracle(x, True), True)
+        errs = [r[k] for k in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")]
+        assert r["grad_status"] == "ok" and max(errs) < 1e-2, r
+        for n in ("q", "k", "v", "g", "beta", "h0"):
+            x[n].grad = None
+        wrong = accuracy_check(torch, c, x, oracle.oracle(dict(x, qk_norm=other), True), True)
+        assert max(wrong["dq"], wrong["dk"]) > 5e-2, (qk, wrong)
+
+
+class _Recorder:
+    """Stands in for a contender's module: records the keyword arguments of its call."""
+
+    def __init__(self):
+        self.kw = []
+
+    def chunk_gated_delta_rule(self, *args, **kw):
+        self.kw.append(kw)
+        return None, None
+
+
+@pytest.mark.parametrize("qk_norm,in_call", [("in_kernel", True), ("prenormalized", False)])
+def test_every_contender_normalises_only_in_the_in_kernel_convention(qk_norm, in_call):
+    from gdnbench import contenders
+
+    x = _inputs(qk_norm, requires_grad=False)
+    for name, cls in contenders.ALL.items():
+        c, rec = cls(), _Recorder()
+        c.mod, c.fn = rec, rec.chunk_gated_delta_rule
+        y = c.convert(x)
+        c.call(y)
+        assert rec.kw[-1]["use_qk_l2norm_in_kernel"] is in_call, name
+        assert y["q"].data_ptr() == x["q"].data_ptr() or name == "flashinfer"
+    fi = contenders.FlashInfer().convert(x)  # packed [B*T, H, K]: the same (normalised or raw) values
+    assert fi["qk_norm"] == qk_norm and fi["q"].equal(x["q"].reshape(-1, *x["q"].shape[2:]))
 
 
 def test_fla_dispatch_script_validates_its_arguments_before_any_gpu_work():
