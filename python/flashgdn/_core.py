@@ -7,6 +7,7 @@ into the outputs the caller does pass (handy for preallocated / poisoned buffers
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
 from collections import OrderedDict
 from contextlib import nullcontext as _nullcontext
@@ -144,6 +145,7 @@ def host_seqlens(
 # finds nothing.
 _SEQLENS_SEEN: "OrderedDict[int, tuple]" = OrderedDict()
 _SEQLENS_SEEN_MAX = 64
+_SEQLENS_LOCK = threading.Lock()  # calls from several threads share the table
 
 
 def _seqlens_stamp(cu: torch.Tensor) -> tuple:
@@ -163,23 +165,26 @@ def resolve_host_seqlens(q: torch.Tensor, cu_seqlens, cu_seqlens_host, T: int):
     with torch.cuda.device(q.device):  # the call runs on the current stream of q's device
         capturing = torch.cuda.is_current_stream_capturing()
     if capturing:
-        seen = _SEQLENS_SEEN.get(id(cu_seqlens))
+        with _SEQLENS_LOCK:
+            seen = _SEQLENS_SEEN.get(id(cu_seqlens))
+            if seen is not None:
+                _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
         if seen is None or seen[0]() is not cu_seqlens or seen[1] != _seqlens_stamp(cu_seqlens):
             raise ValueError(
                 "cu_seqlens: a call captured in a CUDA graph needs the sequence boundaries on the "
                 "host: pass cu_seqlens_cpu= (the host copy), or make one call with this same "
                 "tensor, unchanged since, before capturing (flashgdn keeps the copy it read then)")
-        _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
         return seen[2]
     fresh = cu_seqlens.to(device="cpu", dtype=torch.int64)
     valid = (fresh.dim() == 1 and fresh.numel() >= 1 and int(fresh[0]) == 0 and int(fresh[-1]) == T
              and bool((fresh[1:] >= fresh[:-1]).all()))
     if not valid:
         return None
-    _SEQLENS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _seqlens_stamp(cu_seqlens), fresh)
-    _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
-    while len(_SEQLENS_SEEN) > _SEQLENS_SEEN_MAX:
-        _SEQLENS_SEEN.popitem(last=False)
+    with _SEQLENS_LOCK:
+        _SEQLENS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), _seqlens_stamp(cu_seqlens), fresh)
+        _SEQLENS_SEEN.move_to_end(id(cu_seqlens))
+        while len(_SEQLENS_SEEN) > _SEQLENS_SEEN_MAX:
+            _SEQLENS_SEEN.popitem(last=False)
     return fresh
 
 
