@@ -23,6 +23,7 @@ import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -258,6 +259,58 @@ def _leak_verdict(warm_rss, rss, bound):
     ups and downs (arenas, trimming) are absorbed by the max on one side and the min on the other."""
     growth = min(rss[-3:]) - max(warm_rss)
     return growth, growth < bound
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that says it lives on a CUDA device: drives the host-copy table of
+    cu_seqlens (flashgdn._core.resolve_host_seqlens) without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_seqlens_table_from_many_threads(monkeypatch):
+    """Regression: calls without the host copy of cu_seqlens, from 10 threads, more distinct
+    tensors than the table keeps (64): every call gets its own tensor's copy, none fails (the
+    table was updated without a lock: one thread evicted another's entry, KeyError)."""
+    from flashgdn import _core
+    import contextlib
+    import sys
+
+    class SlowTable(OrderedDict):  # widens the window between an entry's store and its move
+        def move_to_end(self, key, last=True):
+            time.sleep(1e-4)
+            super().move_to_end(key, last)
+
+    monkeypatch.setattr(_core.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_core.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_core, "_SEQLENS_SEEN", SlowTable())
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    T = 10
+    q = torch.zeros(1).as_subclass(_FakeCudaTensor)
+    errors = []
+
+    def worker(w):
+        cus = [torch.tensor([0, (w + i) % T, T]).as_subclass(_FakeCudaTensor) for i in range(7)]
+        try:
+            for _ in range(40):
+                for cu in cus:
+                    host = _core.resolve_host_seqlens(q, cu, None, T)
+                    assert host.tolist() == cu.as_subclass(torch.Tensor).tolist()
+        except Exception as e:  # noqa: BLE001 (any failure of a thread is the test's)
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
