@@ -87,6 +87,28 @@ if has time; then
   $PY bench/profile_kernels.py --out "$OUT/kernels.md" >/dev/null 2>&1 || echo "kernel profile failed"
 fi
 
+if has fuzz; then
+  # Differential fuzzing against the float64 oracle (issue 38, docs/reliability.md): the harness of
+  # tests/python/test_fuzz.py on CUDA tensors, FUZZ_CASES cases from FUZZ_SEED (printed: rerun a
+  # campaign with it), failures shrunk and printed as JSON for tests/python/fuzz_regressions.json.
+  # Not in the default steps: bash scripts/gpu_check.sh fuzz (after a build, or with one carried).
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ ! -f /tmp/site/flashgdn/__init__.py ]; then
+    if ls dist/*.whl >/dev/null 2>&1; then
+      $PY -m pip install -q --no-deps --no-index --target /tmp/site dist/*.whl
+    else
+      $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+    fi
+  fi
+  FUZZ_SEED=${FUZZ_SEED:-$RANDOM}
+  t0=$SECONDS
+  $PY tests/python/gdn_fuzz.py --device cuda --cases "${FUZZ_CASES:-1500}" --seed "$FUZZ_SEED" \
+    --max-tokens "${FUZZ_MAX_TOKENS:-300}" --json "$OUT/fuzz.json" >"$OUT/fuzz.log" 2>&1
+  rc=$?
+  grep -v '^\[err\]' "$OUT/fuzz.log" | grep -v '^cases per class' | tail -20
+  note "fuzz (CUDA vs the oracle, seed $FUZZ_SEED)" "$(grep -m1 '^fuzz on' "$OUT/fuzz.log" || echo "rc=$rc, no summary") ($((SECONDS - t0)) s)"
+fi
+
 echo
 echo "| step | result |"
 echo "|---|---|"
