@@ -521,6 +521,18 @@ def run_case(s: Spec, device: str = "cpu") -> Dict[str, float]:
     return errs
 
 
+def _fp16_range_explains(s: Spec, device: str) -> bool:
+    """D2: on CUDA, a failure of an fp16 call that the same case in bf16 (the same values, float32's
+    exponent range for the tensor-core operands the kernel computes) does not have."""
+    if device != "cuda" or s.dtype != "fp16":
+        return False
+    try:
+        run_case(replace(s, dtype="bf16"), device)
+    except AssertionError:
+        return False
+    return True
+
+
 class KnownDefect(AssertionError):
     """A failure that a defect of KNOWN_DEFECTS explains."""
 
@@ -630,6 +642,14 @@ KNOWN_DEFECTS = {
            "cancellation; e.g. -1.9e-7 where it is exactly 0, at a sequence's first token without an "
            "initial state), which the chain factor -exp(A_log) sigmoid(a + dt_bias) keeps where it "
            "is O(1) and removes where the true values are (~1e-26)"),
+    "D2": ("CUDA, fp16 q/k/v, `fast`: where a (sequence, head)'s updates are tiny (beta near 0, keys of "
+           "tiny norm), the operands the kernel computes and rounds to fp16 for the tensor cores "
+           "(beta-weighted values, corrected values) fall in fp16's subnormal range: that slice's state "
+           "and outputs carry up to ~30% relative error (absolute errors stay at the size of those "
+           "tiny updates). The same case in bf16 passes (found by the first GPU campaign, 2026-11-27)"),
+    "D3": ("CUDA `fast`, bf16, beta = 2 on every token (each update the reflection I - 2 k k^T, no "
+           "decay to damp rounding): o's relative error 6.3e-3 against the forward's 6e-3 bound "
+           "(test_extreme.py::test_beta_extremes[2.0-cuda], 2026-11-27)"),
 }
 
 
@@ -776,6 +796,9 @@ def campaign(device: str, cases: int, seed: int = 0, max_tokens: int = 300,
         except Exception as e:  # noqa: BLE001
             if isinstance(e, KnownDefect):
                 rep.known[e.key] += 1
+                continue
+            if isinstance(e, AssertionError) and _fp16_range_explains(s, device):
+                rep.known["D2"] += 1
                 continue
             err = f"{type(e).__name__}: {e}"
             small, runs = shrink(s, device, budget=shrink_budget)

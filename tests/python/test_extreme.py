@@ -93,12 +93,14 @@ def test_gate_minus_1e4_is_a_reset(device, where):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("beta", [0.0, 2.0])
-def test_beta_extremes(device, beta):
+def test_beta_extremes(device, beta, request):
     """beta = 0: nothing is written, the state only decays; beta = 2 (the top of FLA's
     allow_neg_eigval range): I - 2 k k^T is a reflection, norm 1. Both match the oracle."""
     c = make_case(lengths=[150, 90], Hq=1, Hv=2, K=64, V=64, dtype=torch.bfloat16, device=device,
                   l2norm=True, seed=23)
     c.beta.fill_(beta)
+    if device == "cuda" and beta == 2.0:  # known defect D3 (gdn_fuzz.KNOWN_DEFECTS, docs/reliability.md)
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known defect D3: o 6.3e-3 > 6e-3 on CUDA `fast`"))
     _vs_oracle(c, f"{device} beta={beta}")
 
 
