@@ -149,7 +149,11 @@ _SEQLENS_LOCK = threading.Lock()  # calls from several threads share the table
 
 
 def _seqlens_stamp(cu: torch.Tensor) -> tuple:
-    return (cu.data_ptr(), cu._version, tuple(cu.shape), cu.dtype)
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference tensor (torch.inference_mode) keeps no version counter
+        version = None
+    return (cu.data_ptr(), version, tuple(cu.shape), cu.dtype)
 
 
 def resolve_host_seqlens(q: torch.Tensor, cu_seqlens, cu_seqlens_host, T: int):

@@ -313,6 +313,27 @@ def test_seqlens_table_from_many_threads(monkeypatch):
     assert not errors, errors[:3]
 
 
+def test_seqlens_table_inference_tensors(monkeypatch):
+    """Regression: a device cu_seqlens made under torch.inference_mode (as serving engines make
+    them) has no version counter; the host-copy table keys it without one instead of raising, and
+    a capture after one eager call with it finds the copy."""
+    from flashgdn import _core
+    import contextlib
+
+    capturing = [False]
+    monkeypatch.setattr(_core.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_core.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with torch.inference_mode():
+        q = torch.zeros(1).as_subclass(_FakeCudaTensor)
+        cu = torch.tensor([0, 3, 10]).as_subclass(_FakeCudaTensor)
+        assert _core.resolve_host_seqlens(q, cu, None, 10).tolist() == [0, 3, 10]
+        capturing[0] = True
+        assert _core.resolve_host_seqlens(q, cu, None, 10).tolist() == [0, 3, 10]
+        other = torch.tensor([0, 3, 10]).as_subclass(_FakeCudaTensor)
+        with pytest.raises(ValueError, match="cu_seqlens: a call captured in a CUDA graph"):
+            _core.resolve_host_seqlens(q, other, None, 10)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
 def test_rss_probe_sees_a_deliberate_leak():
     """The measurement can fail: a forward whose outputs are kept (as a leak would keep them; about
