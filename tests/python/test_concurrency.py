@@ -7,7 +7,8 @@ CPU (runs everywhere, about 10 s on 2 cores, 2,000 + 11,000 library calls):
     state pool, the autograd op, rejected calls): every result is bitwise the serial call's, and a
     rejected call's message is its own;
   * 10,000 small calls (forward, backward, the autograd op, rejected calls) with the process's
-    resident memory (/proc/self/statm) and Python's live object count bounded after a warm-up.
+    C heap in use (glibc's mallinfo2; else the resident memory, /proc/self/statm) and Python's
+    live object count bounded after a warm-up.
 GPU (marked gpu, skipped without CUDA; same patterns as test_gpu.py):
   * threads each on its own torch.cuda.Stream, calling at once: bitwise the serial calls';
   * a CUDA graph of a forward with the final state (cu_seqlens' host copy passed) replayed 200 times
@@ -18,6 +19,7 @@ GPU (marked gpu, skipped without CUDA; same patterns as test_gpu.py):
 
 Bitwise means byte for byte (NaN patterns included): ``_same`` compares the raw bytes.
 """
+import ctypes
 import gc
 import os
 import random
@@ -52,6 +54,36 @@ def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     return a == b
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                     "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                     "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def _heap_bytes() -> int:
+    """Bytes of the C heap in use now (glibc: mallinfo2's uordblks + hblkhd, what malloc handed
+    out and has not taken back, torch's CPU tensors and the library's buffers included). A leak
+    raises it whatever the process freed before: the resident size does not grow while malloc
+    reuses pages that earlier tests freed (the self-check below failed on RSS in the full suite).
+    Where mallinfo2 is missing, the resident size."""
+    if _MALLINFO2 is None:
+        return _rss_bytes()
+    info = _MALLINFO2()
+    return int(info.uordblks) + int(info.hblkhd)
 
 
 def _rss_bytes() -> int:
@@ -242,18 +274,18 @@ def _run_calls(cycle, n_calls, state):
 
 
 def _measure(cycle, calls_per_window, windows, state):
-    """Resident bytes and live Python objects at the end of each window of calls."""
+    """Heap bytes in use (_heap_bytes) and live Python objects at the end of each window of calls."""
     rss, objs = [], []
     for _ in range(windows):
         _run_calls(cycle, calls_per_window, state)
         gc.collect()
-        rss.append(_rss_bytes())
+        rss.append(_heap_bytes())
         objs.append(len(gc.get_objects()))
     return rss, objs
 
 
 def _leak_verdict(warm_rss, rss, bound):
-    """Growth that a leak cannot hide and allocator noise cannot fake: the least resident size of
+    """Growth that a leak cannot hide and allocator noise cannot fake: the least heap in use of
     the last three windows over the largest of the warm-up's. A steady leak of L bytes a call
     raises every later window by at least L times the calls since the warm-up; the allocator's
     ups and downs (arenas, trimming) are absorbed by the max on one side and the min on the other."""
@@ -358,8 +390,8 @@ def test_rss_probe_sees_a_deliberate_leak():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
 def test_cpu_no_leak_over_10000_calls():
-    """10,000 small calls after 1,000 of warm-up: resident memory grows by less than 4 MiB (the
-    least of the last three windows over the most of the warm-up's: see _leak_verdict) and the
+    """10,000 small calls after 1,000 of warm-up: the heap in use (_heap_bytes) grows by less than
+    4 MiB (the least of the last three windows over the most of the warm-up's: see _leak_verdict) and the
     live Python objects by less than 500. 4 MiB catches a leak of about 500 bytes a call or
     more (any leaked output, workspace or state of these calls is 4 KiB or more) and is
     several times the noise measured (well under 1 MiB); the object bound catches a reference
@@ -374,7 +406,7 @@ def test_cpu_no_leak_over_10000_calls():
     mib = [round(x / 2**20, 2) for x in warm_rss + rss]
     print(f"\n{LEAK_CALLS + WARMUP_CALLS} CPU calls in {elapsed:.1f} s; resident MiB per window {mib}; "
           f"growth {growth / 2**20:.3f} MiB; live objects {warm_objs[-1]} -> {objs[-1]}")
-    assert ok, f"resident memory grew by {growth / 2**20:.2f} MiB over {LEAK_CALLS} calls: {mib}"
+    assert ok, f"the heap in use grew by {growth / 2**20:.2f} MiB over {LEAK_CALLS} calls: {mib}"
     assert objs[-1] - warm_objs[-1] < 500, f"live Python objects grew: {warm_objs} -> {objs}"
 
 
