@@ -98,6 +98,48 @@ def test_offsets_beyond_int32():
     check("final_state", ht[1:].cpu(), ref["final_state"], c, b["final_state"], context="offsets > 2^31")
 
 
+def test_one_million_tokens_fwd_bwd():
+    """One sequence of 2^20 tokens, forward and backward on the GPU (issue 38, size), against the
+    CPU backend on the same inputs: o and every gradient on 4096 sampled token rows plus the last
+    chunk, the final state and dh0 whole, each within the oracle bound of its tensor. The peak of
+    torch's allocator over the call is printed (docs/reliability.md records it)."""
+    import dataclasses
+    T, Hq, Hv, D = 2**20, 1, 2, 128
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    c = make_case(B=1, T=T, Hq=Hq, Hv=Hv, K=D, V=D, dtype=torch.bfloat16, device="cpu", l2norm=True)
+    on_gpu = {f.name: getattr(c, f.name).to(DEV) for f in dataclasses.fields(c)
+              if isinstance(getattr(c, f.name), torch.Tensor) and f.name != "cu_seqlens_host"}
+    cg = dataclasses.replace(c, **on_gpu)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o, ht, _, do, dht, gr = lowlevel_fwd_bwd(cg, seed=c.seed)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"\n1M tokens, Hq={Hq} Hv={Hv} D={D}: peak device memory of fwd+bwd {peak / 2**30:.2f} GiB "
+          f"(inputs {base / 2**30:.2f} GiB)")
+    o_c, ht_c, _, do_c, dht_c, gr_c = lowlevel_fwd_bwd(c, seed=c.seed)
+    assert torch.equal(do.cpu(), do_c) and torch.equal(dht.cpu(), dht_c)
+    gen = torch.Generator().manual_seed(c.seed)
+    rows = torch.cat([torch.randperm(T - 64, generator=gen)[:4096], torch.arange(T - 64, T)])
+    b = bounds_for(torch.bfloat16)
+    ctx = f"T=2^20 seed={c.seed}"
+
+    def rel(x, ref):
+        x, ref = x.double().cpu(), ref.double().cpu()
+        assert torch.isfinite(x).all(), ctx
+        return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+    errors = {"o": rel(o[:, rows], o_c[:, rows]), "final_state": rel(ht, ht_c)}
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        x, ref = getattr(gr, name), getattr(gr_c, name)
+        errors[name] = rel(x if name == "dh0" else x[:, rows], ref if name == "dh0" else ref[:, rows])
+    print("  relative L2 against the CPU backend:", {k: f"{v:.2e}" for k, v in errors.items()})
+    for name, e in errors.items():
+        assert e <= b[name], f"{name}: {e:.3e} > {b[name]:.1e} ({ctx})"
+
+
 def test_long_varlen_pack():
     c = make_case(lengths=[1, 0, 4096, 63, 2000, 1, 129, 0], Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16,
                   device=DEV)
