@@ -1,7 +1,8 @@
 // Backward launcher: workspace layout and the kernel chain (see chunk_bwd.h).
 //   1. states  (per sequence)  chunk-start states h (Hopper forward)  chunk_bwd_state.cu
-//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl    chunk_bwd_prep.cu
-//   3. dh      (per sequence)  reverse pass: dh, dV_new, dh0          chunk_bwd_dh.cu
+//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  chunk_bwd_prep.cu
+//                              the reverse pass's bf16 images         chunk_bwd_images.cuh
+//   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
 //   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu
 //   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
@@ -15,7 +16,7 @@ namespace {
 
 struct Layout {
   size_t off[14];
-  size_t gpart, first_row, fwd;  // per-chunk gate sums; chunk_bwd_state.cu's rows and forward
+  size_t gpart, img, first_row, fwd;  // per-chunk gate sums; images; chunk_bwd_state.cu's rows and forward
   size_t total;
 };
 
@@ -44,6 +45,8 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   }
   L.gpart = o;
   o += align256(S * Hv * 2 * sizeof(float));
+  L.img = o;
+  o += align256(S * Hv * bwd::image_bytes(p.K));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
   L.fwd = o;
@@ -122,6 +125,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
                      &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
   for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
+  P.img = reinterpret_cast<uint8_t*>(w + L.img);
 
   const bool any_chunks = P.num_chunks > 0;
   if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);

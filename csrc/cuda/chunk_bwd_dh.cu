@@ -1,92 +1,196 @@
 // Backward, step 3: the reverse state-gradient pass (sequential over the chunks, last first).
 //
-// One block per (sequence, value head, 32 state columns), carrying dS (fp32, [D, 32] in shared
-// memory), starting from d_final_state (zero when absent). Per chunk, last to first:
-//   dh[chunk] = dS                                     (gradient of the chunk's end state)
-//   dV_new    = dvl + (Kn (.) exp(c_L - c)) dS         (dvl = P^T dO from chunk_prep)
-//   dS       <- exp(c_L) dS + scale (Qn (.) exp(c))^T dO - W^T dV_new
-// and finally dh0 = dS (zero for a negative state index). The two products of the last line
-// run as one GEMM over the concatenated reduction axis [tokens of Qn/dO ; tokens of W/dV_new].
+// One block per (sequence, value head), carrying dS^T (fp32, the wgmma accumulators of its own
+// update; warpgroup w holds value rows 64 w .. 64 w + 63) from d_final_state (zero when absent).
+// Per chunk, last to first:
+//   dh[chunk]  = dS                                           (gradient of the chunk's end state)
+//   dV_new^T   = dvl^T + dS^T K~^T,   K~ = diag(exp(c_L - c)) Kn    (dvl = P^T dO, chunk_prep)
+//   dS^T      <- exp(c_L) dS^T + dO^T Q~ - dV_new^T W,   Q~ = scale diag(exp(c)) Qn
+// and finally dh0 = dS (zero for a negative state index). The operands arrive as bf16 hi + lo
+// images written by chunk_prep (chunk_bwd_images.cuh) by two bulk copies a chunk; dS^T and
+// dV_new^T become the A operands of the next products in registers (split hi + lo), so nothing
+// on the chain converts or touches shared memory but the copies. Every product is hi*hi + hi*lo
+// + lo*hi: ~fp32 accuracy, as the pass it replaced.
+#include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace flashgdn::cuda::bwd {
 
 namespace {
 
-constexpr int kVs = 32;
+using sm90::Mbarrier;
+
+// A fragments (hi, lo) of k-step s (columns 16 s .. 16 s + 15) of a 64 x 64 accumulator block
+// (wgmma.cuh: the accumulator tiles 2 s and 2 s + 1).
+__device__ __forceinline__ void a_frags(const float (&d)[32], int s, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      sm90::split_pair<__nv_bfloat16, true>(d[4 * (2 * s + c) + 2 * i], d[4 * (2 * s + c) + 2 * i + 1], hi[2 * c + i],
+                                            lo[2 * c + i]);
+}
+
+// dS^T (64 x D) += A * B over one k-step, N = D: the n128 instruction on two blocks, or n64.
+template <int kB>
+__device__ __forceinline__ void acc_ss(float (&S)[kB][32], uint64_t a, uint64_t b) {
+  if constexpr (kB == 2) sm90::wgmma_ss_n128<__nv_bfloat16>(S[0], S[1], a, b, 1);
+  else sm90::wgmma_ss_n64<__nv_bfloat16>(S[0], a, b, 1);
+}
+template <int kB>
+__device__ __forceinline__ void acc_rs(float (&S)[kB][32], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (kB == 2) sm90::wgmma_rs_n128<__nv_bfloat16, 0>(S[0], S[1], a, b, 1);
+  else sm90::wgmma_rs_n64<__nv_bfloat16, 0>(S[0], a, b, 1);
+}
+
+template <int D>
+constexpr size_t dh_smem_bytes() {
+  return Images<D>::kBytes + 1024;
+}
 
 template <int D, typename TQ>
-__global__ void __launch_bounds__(kThreads, 1) dh_kernel(BwdParams P) {
+__global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
+  using Im = Images<D>;
+  constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
   const int64_t n = blockIdx.x, h = blockIdx.y;
-  const int v0 = blockIdx.z * kVs;
-  const int64_t hq = h / P.group;
   const SeqInfo si = seq_info(P.seq, n);
-  __shared__ float s_S[D * kVs];
-  __shared__ float s_c[kC], s_e[kC], s_q[kC];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, q = lane & 3;
+  // Accumulator element e of a 64 x 64 block: (row 16 w + g + 8 ((e >> 1) & 1), column
+  // 8 (e >> 2) + 2 q + (e & 1)); the row is the value index v, offset by 64 wg.
+  const auto vrow = [&](int e) { return 64 * wg + 16 * w + g + 8 * ((e >> 1) & 1); };
+  const auto col = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
 
-  for (int e = tid; e < D * kVs; e += kThreads) {
-    const int a = e / kVs, v = e % kVs;
-    float x = 0.f;
-    if (P.has_d_final_state) {  // in its dtype (fp32 | bf16 | fp16)
-      const Tensor4& dht = P.d_final_state;
-      const int64_t base = n * dht.s0 + h * dht.s1;
-      x = load_as_float(dht.data, dht.dtype,
-                        P.state_v_first ? base + (v0 + v) * dht.s2 + a : base + a * dht.s2 + v0 + v);
-    }
-    s_S[e] = x;
-  }
+  extern __shared__ uint8_t dh_smem_raw[];
+  uint8_t* img = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(dh_smem_raw) + 1023) & ~uintptr_t{1023});
+  __shared__ Mbarrier k_full, qwo_full;
+  const uint32_t img_addr = sm90::smem_addr(img);
+
   const int64_t nch = ceil_div(si.len, kC);
-  const int64_t lds = P.Hq * D;
-  for (int64_t j = nch - 1; j >= 0; --j) {
-    const SeqChunk ch = begin_seq_chunk(P, n, h, si, j, s_c);
-    const int64_t gc = ch.gc, r = ch.r;
-    const int L = ch.L;
-    const float cL = s_c[L - 1];
-    if (tid < kC) {
-      s_e[tid] = tid < L ? expf(cL - s_c[tid]) : 0.f;
-      s_q[tid] = tid < L ? P.scale * expf(s_c[tid]) : 0.f;
-    }
-    float* dhg = P.dh + r * D * D;
-    for (int e = tid; e < D * kVs; e += kThreads) dhg[(e / kVs) * D + v0 + (e % kVs)] = s_S[e];
-    __syncthreads();
-    const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
-    const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
-    float* dvg = P.dvn + r * kC * D + v0;
-    block_gemm<kC, kVs, D>(
-        [&](int i, int a) { return kn[i * lds + a]; },
-        [&](int a, int v) { return s_S[a * kVs + v]; },
-        [&](int i, int v, float x) {
-          if (i < L) dvg[i * D + v] += s_e[i] * x;
-        });
-    __syncthreads();
-    const float* Wg = P.W + r * kC * D;
-    const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, si.b, si.t0 + j * kC, h) + v0;
-    const float eL = expf(cL);
-    block_gemm<D, kVs, 2 * kC>(
-        [&](int a, int i) { return i < kC ? s_q[i] * qn[i * lds + a] : -Wg[(i - kC) * D + a]; },
-        [&](int i, int v) {
-          if (i < kC) return i < L ? to_float(dog[i * P.d_o.s1 + v]) : 0.f;
-          return dvg[(i - kC) * D + v];
-        },
-        [&](int a, int v, float x) { s_S[a * kVs + v] = eL * s_S[a * kVs + v] + x; });
+  const auto slot_row = [&](int64_t j) { return chunk_slot(P.seq, n, j, si.t0) * P.Hv + h; };
+  const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j
+    k_full.arrive_expect_tx(Im::kKBytes);
+    sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, Im::kKBytes, &k_full);
+  };
+  const auto load_qwo = [&](int64_t j) {  // one thread: QW and dOt of chunk j
+    qwo_full.arrive_expect_tx(Im::kQWOBytes);
+    sm90::bulk_load(img + Im::kQW, P.img + slot_row(j) * Im::kBytes + Im::kQW, Im::kQWOBytes, &qwo_full);
+  };
+  if (tid == 0) {
+    k_full.init(1);
+    qwo_full.init(1);
+    sm90::fence_barrier_init();
   }
   __syncthreads();
-  if (P.want_dh0) {
+  if (tid == 0 && nch > 0) {
+    load_k(nch - 1);
+    load_qwo(nch - 1);
+  }
+
+  // dS^T from d_final_state (in its dtype: fp32 | bf16 | fp16), element (v, a).
+  float S[kB][32];
+  const Tensor4& dht = P.d_final_state;
+  const auto state_off = [&](const Tensor4& t, int64_t row, int v, int a) {
+    const int64_t base = row * t.s0 + h * t.s1;
+    return P.state_v_first ? base + static_cast<int64_t>(v) * t.s2 + a : base + static_cast<int64_t>(a) * t.s2 + v;
+  };
+#pragma unroll
+  for (int b = 0; b < kB; ++b)
+#pragma unroll
+    for (int e = 0; e < 32; ++e)
+      S[b][e] = P.has_d_final_state ? load_as_float(dht.data, dht.dtype, state_off(dht, n, vrow(e), 64 * b + col(e))) : 0.f;
+
+  for (int64_t j = nch - 1, it = 0; j >= 0; --j, ++it) {
+    const uint32_t parity = static_cast<uint32_t>(it & 1);
+    const int64_t r = slot_row(j);
+    const int64_t rem = si.len - j * kC;
+    const int L = static_cast<int>(rem < kC ? rem : kC);
+    const float eL = expf(P.cg[r * kC + L - 1]);
+    float* dvg = P.dvn + r * kC * D;  // [64 tokens][D]: dvl in, dV_new out
+    float Vn[32];                      // dV_new^T (64 values x 64 tokens), from dvl^T
+#pragma unroll
+    for (int e = 0; e < 32; ++e) Vn[e] = dvg[col(e) * D + vrow(e)];
+    float* dhg = P.dh + r * D * D;  // [D a][D v]
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dhg[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+
+    // dV_new^T += dS^T K~^T: A = dS^T in registers (k = a), B = K~ ([tokens][a], K-major).
+    uint32_t sh[D / 16][4], sl[D / 16][4];  // A fragments of dS^T, formed before the products
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) a_frags(S[ks / 4], ks % 4, sh[ks], sl[ks]);
+    k_full.wait(parity);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t b = img_addr + Im::kK + (ks / 4) * 64 * 128 + (ks % 4) * 32;
+      const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kKPart);
+      sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sl[ks], bh, 1);
+      sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sh[ks], bl, 1);
+      sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sh[ks], bh, 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_regs(Vn);
+    __syncthreads();  // both warpgroups are done with K~: the next chunk's may land
+    if (tid == 0 && j > 0) load_k(j - 1);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dvg[col(e) * D + vrow(e)] = Vn[e];
+
+    // dS^T <- exp(c_L) dS^T + dO^T Q~ + dV_new^T (-W)
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) S[b][e] *= eL;
+    uint32_t vh[4][4], vl[4][4];  // A fragments of dV_new^T
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) a_frags(Vn, ks, vh[ks], vl[ks]);
+    qwo_full.wait(parity);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // dO^T Q~: A = dOt (rows v of this warpgroup), B = QW tile 0
+      const uint32_t a = img_addr + Im::kO + wg * 64 * 128 + ks * 32;
+      const uint32_t b = img_addr + Im::kQW + ks * 32;
+      const uint64_t ah = sm90::desc_k_major(a), al = sm90::desc_k_major(a + Im::kOPart);
+      const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kQWPart);
+      acc_ss<kB>(S, al, bh);
+      acc_ss<kB>(S, ah, bl);
+      acc_ss<kB>(S, ah, bh);
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // dV_new^T (-W): A = dV_new^T in registers, B = QW tile 1
+      const uint32_t b = img_addr + Im::kQW + Im::kQWTile + ks * 32;
+      const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kQWPart);
+      acc_rs<kB>(S, vl[ks], bh);
+      acc_rs<kB>(S, vh[ks], bl);
+      acc_rs<kB>(S, vh[ks], bh);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < kB; ++b) sm90::fence_regs(S[b]);
+    __syncthreads();  // both warpgroups are done with QW and dOt
+    if (tid == 0 && j > 0) load_qwo(j - 1);
+  }
+
+  if (P.want_dh0) {  // rounded to dh0's dtype (nearest even)
     int64_t row = n;
     if (P.has_state_indices) row = load_index(P.state_indices, P.idx_dtype, n);
-    for (int e = tid; e < D * kVs; e += kThreads) {  // rounded to dh0's dtype (nearest even)
-      const int a = e / kVs, v = e % kVs;
-      const int64_t base = n * P.dh0.s0 + h * P.dh0.s1;
-      const int64_t o = P.state_v_first ? base + (v0 + v) * P.dh0.s2 + a : base + a * P.dh0.s2 + v0 + v;
-      store_from_float(P.dh0.data, P.dh0.dtype, o, row >= 0 ? s_S[e] : 0.f);
-    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e)
+        store_from_float(P.dh0.data, P.dh0.dtype, state_off(P.dh0, n, vrow(e), 64 * b + col(e)),
+                         row >= 0 ? S[b][e] : 0.f);
   }
 }
 
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
-  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, D / kVs), kThreads, 0, s>>>(P);
+  set_dynamic_smem(dh_kernel<D, TQ>, dh_smem_bytes<D>());
+  dh_kernel<D, TQ><<<dim3(P.N, P.Hv), D * 2, dh_smem_bytes<D>(), s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass");
 }
 

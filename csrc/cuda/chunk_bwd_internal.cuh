@@ -71,6 +71,7 @@ struct BwdParams {
   float* dkh;   // [num_chunks * Hv, 64, D]
   float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
   float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
+  uint8_t* img; // [num_chunks * Hv] x image_bytes(D): the reverse pass's operands (chunk_bwd_images.cuh)
 };
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
@@ -157,6 +158,9 @@ __device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t 
   return c;
 }
 
+// Bytes of one (chunk, value head)'s images (chunk_bwd_images.cuh, Images<D>::kBytes).
+inline size_t image_bytes(int64_t D) { return static_cast<size_t>(16384 * (D / 64) + 768 * D); }
+
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
 template <int D_, typename TQ_>
 struct DimType {
@@ -173,6 +177,12 @@ void dispatch_dim_type(const BwdParams& P, F&& f) {
   } else {
     bf ? f(DimType<128, __nv_bfloat16>{}) : f(DimType<128, __half>{});
   }
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the default 48 KB).
+template <class Kernel>
+void set_dynamic_smem(Kernel kernel, size_t bytes) {
+  FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // ---- host-side launchers (one per file) -------------------------------------------------------

@@ -5,8 +5,10 @@
 //              A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward
 //              substitution), W = T diag(beta exp(c)) Kn,
 //              V_new = U - W h with U = T diag(beta) V and h the chunk-start state (step 1),
-//              and the local part of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D)
-//              (into dvn).
+//              the local part of dV_new: dvl = P^T dO with P = scale lower(Qn Kn^T (.) D)
+//              (into dvn), and the reverse pass's operand images K~, QW, dO^T
+//              (chunk_bwd_images.cuh), built in shared memory and shipped by bulk copies.
+#include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
 
 namespace flashgdn::cuda::bwd {
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
 }
 
 template <int D, typename TQ>
-__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
+__global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   const int64_t gc = blockIdx.x;
   const int64_t h = blockIdx.y;
   ChunkInfo ci;
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
   const int64_t r = gc * P.Hv + h;
   const int len = ci.len;
 
-  __shared__ float s_c[kC], s_ec[kC], s_beta[kC];
+  __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC];
   __shared__ float s_A[kC * kLd];  // A, later P
   __shared__ float s_T[kC * kLd];
 
@@ -158,13 +160,60 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(BwdParams P) {
       [&](int j, int i) { return s_A[i * kLd + j]; },
       [&](int i, int vv) { return i < len ? to_float(dog[i * P.d_o.s1 + vv]) : 0.f; },
       [&](int j, int vv, float v) { dvg[j * D + vv] = v; });
+
+  // The reverse pass's operand images (chunk_bwd_images.cuh): K~, QW = [Q~ | -W]^T, dO^T.
+  __syncthreads();  // W, written above by other threads
+  if (tid < kC) {
+    s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
+    s_qe[tid] = tid < len ? P.scale * s_ec[tid] : 0.f;
+  }
+  __syncthreads();
+  // Each image is built in a 32 KB shared buffer (two 16 KB parts, hi and lo) and leaves by a bulk
+  // copy, so that the global writes are whole lines whatever order the values are read in.
+  using Im = Images<D>;
+  uint8_t* img = P.img + r * Im::kBytes;
+  uint8_t* buf = stage_smem();
+  constexpr uint32_t kHalf = kImageStage / 2;
+  const auto ship = [&](uint32_t dst_hi, uint32_t dst_lo, uint32_t bytes) {  // buf -> img, then reusable
+    sm90::fence_proxy_async();
+    __syncthreads();
+    if (tid == 0) {
+      sm90::bulk_store(img + dst_hi, buf, bytes);
+      sm90::bulk_store(img + dst_lo, buf + kHalf, bytes);
+      sm90::bulk_commit_group();
+      sm90::bulk_wait_group_read<0>();
+    }
+    __syncthreads();
+  };
+  for (int p = tid; p < kC * D / 2; p += kThreads) {  // K~: rows t, pairs along a
+    const int t = p / (D / 2), a = 2 * (p % (D / 2));
+    put_image_pair(buf + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * kn[t * lds + a], s_ke[t] * kn[t * lds + a + 1]);
+  }
+  ship(Im::kK, Im::kK + Im::kKPart, Im::kKPart);
+  for (int tile = 0; tile < 2; ++tile) {  // QW: rows a (consecutive threads), pairs along t
+    for (int p = tid; p < D * kC / 2; p += kThreads) {
+      const int a = p % D, t = 2 * (p / D);
+      const float x0 = tile == 0 ? s_qe[t] * qn[t * lds + a] : -Wg[t * D + a];
+      const float x1 = tile == 0 ? s_qe[t + 1] * qn[(t + 1) * lds + a] : -Wg[(t + 1) * D + a];
+      put_image_pair(buf, kHalf, a, t, x0, x1);
+    }
+    ship(Im::kQW + tile * Im::kQWTile, Im::kQW + Im::kQWPart + tile * Im::kQWTile, Im::kQWTile);
+  }
+  for (int p = tid; p < D * kC / 2; p += kThreads) {  // dOt: rows v, pairs along t
+    const int v = p % D, t = 2 * (p / D);
+    const float x0 = t < len ? to_float(dog[t * P.d_o.s1 + v]) : 0.f;
+    const float x1 = t + 1 < len ? to_float(dog[(t + 1) * P.d_o.s1 + v]) : 0.f;
+    put_image_pair(buf, kHalf, v, t, x0, x1);
+  }
+  ship(Im::kO, Im::kO + Im::kOPart, Im::kOPart);
 }
 
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   qk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd qk_prep");
-  chunk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, 0, s>>>(P);
+  set_dynamic_smem(chunk_prep_kernel<D, TQ>, kImageStage + 1024);
+  chunk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, kImageStage + 1024, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd chunk_prep");
 }
 

@@ -93,6 +93,24 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, Mbarrier
       : "memory");
 }
 
+// `bytes` contiguous bytes from global to shared memory, completing on `bar` (a 1-D bulk copy:
+// both addresses 16-byte aligned, bytes a multiple of 16; the caller announces them with
+// arrive_expect_tx).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// `bytes` contiguous bytes from shared to global memory, in the calling thread's bulk group (the
+// same alignment rules; the writes to `src` made visible to the async proxy first).
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+
 // A 4-D tile from shared memory into global memory, in the calling thread's bulk group; rows
 // outside the map's extents are not written. The writes to `src` must be made visible to the
 // async proxy first (fence_proxy_async by every writer, then a barrier).
