@@ -8,6 +8,8 @@
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
 #include "cuda/chunk_bwd.h"
 
+#include <algorithm>
+
 #include "cuda/chunk_bwd_internal.cuh"
 
 namespace flashgdn::cuda {
@@ -16,13 +18,19 @@ namespace {
 
 struct Layout {
   size_t off[14];
-  size_t gpart, img, first_row, fwd;  // per-chunk gate sums; images; chunk_bwd_state.cu's rows and forward
+  size_t gpart, first_row;  // per-chunk gate sums; chunk_bwd_state.cu's rows
+  // One region, three tenants whose lives do not overlap (the launches run in order on one
+  // stream): the states pass's forward scratch (step 1), the reverse pass's images (written by
+  // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
+  size_t shared, fwd, img;
   size_t total;
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
-// Element counts (fp32) of the workspace regions, in BwdParams order, then the states' scratch.
+constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
+
+// Element counts (fp32) of the workspace regions, in BwdParams order, then the shared region.
 Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   const size_t S = static_cast<size_t>(num_chunk_slots(p));
   const size_t D = static_cast<size_t>(p.K), C = bwd::kC;
@@ -34,23 +42,27 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
       (S + 1) * Hv * D * D, S * Hv * D * D,  // h (one spare row), dh
       S * Hv * C * C,                  // Tm
       S * Hv * C * D, S * Hv * C * D, S * Hv * C * D,  // W, vn, dvn
-      S * Hv * C * D, S * Hv * C * D,  // dqh, dkh
+      S * Hv * C * D, S * Hv * C * D,  // dqh, dkh (in the shared region)
       S * Hv * C,                      // dc
   };
   Layout L{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
+    if (i == kDqh || i == kDkh) continue;
     L.off[i] = o;
     o += align256(n[i] * sizeof(float));
   }
   L.gpart = o;
   o += align256(S * Hv * 2 * sizeof(float));
-  L.img = o;
-  o += align256(S * Hv * bwd::image_bytes(p.K));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
-  L.fwd = o;
-  L.total = o + align256(bwd::states_workspace_bytes(p, in));
+  L.shared = L.fwd = L.img = o;
+  L.off[kDqh] = o;
+  L.off[kDkh] = o + align256(n[kDqh] * sizeof(float));
+  const size_t dqk = L.off[kDkh] - o + align256(n[kDkh] * sizeof(float));
+  const size_t img = align256(S * Hv * bwd::image_bytes(p.K));
+  const size_t fwd = align256(bwd::states_workspace_bytes(p, in));
+  L.total = o + std::max(dqk, std::max(img, fwd));
   return L;
 }
 

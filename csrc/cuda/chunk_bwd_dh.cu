@@ -10,7 +10,9 @@
 // images written by chunk_prep (chunk_bwd_images.cuh) by two bulk copies a chunk; dS^T and
 // dV_new^T become the A operands of the next products in registers (split hi + lo), so nothing
 // on the chain converts or touches shared memory but the copies. Every product is hi*hi + hi*lo
-// + lo*hi: ~fp32 accuracy, as the pass it replaced.
+// + lo*hi (~fp32 accuracy, as the pass it replaced), but dO's lo half with bf16 dO (zero).
+#include <type_traits>
+
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
 #include "sm90/wgmma.cuh"
@@ -155,7 +157,7 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
       const uint32_t b = img_addr + Im::kQW + ks * 32;
       const uint64_t ah = sm90::desc_k_major(a), al = sm90::desc_k_major(a + Im::kOPart);
       const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kQWPart);
-      acc_ss<kB>(S, al, bh);
+      if constexpr (!std::is_same_v<TQ, __nv_bfloat16>) acc_ss<kB>(S, al, bh);  // bf16 dO: lo = 0
       acc_ss<kB>(S, ah, bl);
       acc_ss<kB>(S, ah, bh);
     }
