@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
 
 namespace flashgdn::cuda {
@@ -60,7 +61,7 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   L.off[kDqh] = o;
   L.off[kDkh] = o + align256(n[kDqh] * sizeof(float));
   const size_t dqk = L.off[kDkh] - o + align256(n[kDkh] * sizeof(float));
-  const size_t img = align256(S * Hv * bwd::image_bytes(p.K));
+  const size_t img = align256(S * Hv * (D == 128 ? bwd::Images<128>::kBytes : bwd::Images<64>::kBytes));
   const size_t fwd = align256(bwd::states_workspace_bytes(p, in));
   L.total = o + std::max(dqk, std::max(img, fwd));
   return L;

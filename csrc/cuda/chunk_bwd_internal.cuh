@@ -71,7 +71,7 @@ struct BwdParams {
   float* dkh;   // [num_chunks * Hv, 64, D]
   float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
   float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
-  uint8_t* img; // [num_chunks * Hv] x image_bytes(D): the reverse pass's operands (chunk_bwd_images.cuh)
+  uint8_t* img; // [num_chunks * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
@@ -157,9 +157,6 @@ __device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t 
   __syncthreads();
   return c;
 }
-
-// Bytes of one (chunk, value head)'s images (chunk_bwd_images.cuh, Images<D>::kBytes).
-inline size_t image_bytes(int64_t D) { return static_cast<size_t>(16384 * (D / 64) + 768 * D); }
 
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
 template <int D_, typename TQ_>
