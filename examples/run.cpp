@@ -7,7 +7,8 @@
 //   flashgdn_run [--device auto|cpu|cuda] [--T n] [--Hq n] [--Hv n] [--K n] [--iters n]
 //                [--precision default|fast|high[,...]] [--backward 0|1] [--check 0|1]
 //                [--cp auto|on|off] [--cp-segment TOKENS]
-// With several precisions, the forward runs (and is checked) once for each; the backward once.
+// With several precisions, the forward runs (and is checked) once for each; the backward once,
+// at the first.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -259,6 +260,7 @@ int main(int argc, char** argv) {
   ba.dg = make_tensor(dg.ptr(), FGDN_FLOAT32, {B, T, Hv}, dev);
   ba.dbeta = make_tensor(dbeta.ptr(), FGDN_FLOAT32, {B, T, Hv}, dev);
   ba.dh0 = make_tensor(dh0.ptr(), FGDN_FLOAT32, {N, Hv, K, V}, dev);
+  ba.precision = opt.precisions.front();  // the backward runs once, at the first level
 
   // The float64 oracle on the same rounded inputs (once, for every precision).
   ref::Outputs ro;

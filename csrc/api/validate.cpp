@@ -463,6 +463,15 @@ Problem validate_inputs(Checker& c, const fgdn_inputs& in, bool pool_written) {
   return p;
 }
 
+// The precision level (fgdn_precision) of the forward and the backward alike.
+fgdn_precision check_precision(const Checker& c, int32_t precision) {
+  if (precision != FGDN_PRECISION_DEFAULT && precision != FGDN_PRECISION_FAST &&
+      precision != FGDN_PRECISION_HIGH)
+    c.fail("precision", "FGDN_PRECISION_DEFAULT (0), FGDN_PRECISION_FAST (1) or FGDN_PRECISION_HIGH (2)",
+           std::to_string(precision));
+  return static_cast<fgdn_precision>(precision);
+}
+
 // What the extents imply beyond each tensor's own range. Every size a backend derives is a
 // product of at most (tokens + 64 per sequence and batch row) x heads x two head dims x a small
 // constant: the CPU's partial buffers (B*T*Hv*K floats) and per-pair chunk states
@@ -641,11 +650,7 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
     c.absent("final_state", a->final_state, "output_final_state is 0");
   }
 
-  if (a->precision != FGDN_PRECISION_DEFAULT && a->precision != FGDN_PRECISION_FAST &&
-      a->precision != FGDN_PRECISION_HIGH)
-    c.fail("precision", "FGDN_PRECISION_DEFAULT (0), FGDN_PRECISION_FAST (1) or FGDN_PRECISION_HIGH (2)",
-           std::to_string(a->precision));
-  p.precision = static_cast<fgdn_precision>(a->precision);
+  p.precision = check_precision(c, a->precision);
   if (a->context_parallel != FGDN_CONTEXT_PARALLEL_AUTO && a->context_parallel != FGDN_CONTEXT_PARALLEL_OFF &&
       a->context_parallel != FGDN_CONTEXT_PARALLEL_ON)
     c.fail("context_parallel",
@@ -719,6 +724,7 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
     c.absent("dh0", a->dh0, "initial_state is not given");
   }
   p.want_dh0 = present(a->dh0);
+  p.precision = check_precision(c, a->precision);
   check_derived_sizes(c, p);
   c.overlaps();
   if (p.on_cuda) c.workspace(workspace, workspace_bytes);

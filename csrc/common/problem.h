@@ -41,8 +41,10 @@ struct Problem {
   bool has_state_indices = false;
   int64_t pool_rows = 0;       // rows of initial_state (N without state_indices)
 
-  // Forward only.
+  // The CUDA arithmetic (fgdn_precision), forward and backward.
   fgdn_precision precision = FGDN_PRECISION_DEFAULT;
+
+  // Forward only.
   bool output_final_state = false;
   int64_t checkpoint_every = 0;
   int32_t context_parallel = 0;  // fgdn_context_parallel (CUDA forward)

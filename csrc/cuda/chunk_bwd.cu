@@ -3,8 +3,10 @@
 //   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  chunk_bwd_prep.cu
 //                              the reverse pass's bf16 images         chunk_bwd_images.cuh
 //   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
-//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu
-//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu
+//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     sm90/bwd_dqk.cu (fast),
+//                                                                     chunk_bwd_dqk.cu (high)
+//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         sm90/bwd_wy.cu (fast),
+//                                                                     chunk_bwd_wy.cu (high)
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
 #include "cuda/chunk_bwd.h"
 
@@ -109,6 +111,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_state_indices = p.has_state_indices;
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
+  P.precision_high = p.precision == FGDN_PRECISION_HIGH;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 
@@ -145,8 +148,8 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   if (any_chunks) bwd::launch_bwd_prep(P, stream);
   if (P.N > 0) bwd::launch_bwd_dh(P, stream);
   if (any_chunks) {
-    bwd::launch_bwd_dqk(P, stream);
-    bwd::launch_bwd_wy(P, stream);
+    P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);
+    P.precision_high ? bwd::launch_bwd_wy(P, stream) : bwd::launch_bwd_wy_sm90(P, stream);
     bwd::launch_bwd_reduce(P, stream);
   } else if (P.gate_in_kernel) {
     bwd::launch_bwd_reduce(P, stream);

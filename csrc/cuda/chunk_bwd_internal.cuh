@@ -38,6 +38,7 @@ struct BwdParams {
   int32_t l2norm, gate_in_kernel, has_dt_bias, state_v_first;
   int32_t has_initial_state, has_state_indices, has_d_final_state, want_dh0;
   int32_t idx_dtype;  // state_indices dtype
+  int32_t precision_high;  // precision "high": split products (else the `fast` wgmma kernels)
 
   SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
 
@@ -182,6 +183,15 @@ void set_dynamic_smem(Kernel kernel, size_t bytes) {
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// Launches kernel(P) on the per-chunk grid (chunk slots x value heads; surplus slots exit) with
+// `smem` bytes of dynamic shared memory.
+template <class Kernel>
+void launch_per_chunk(Kernel kernel, int threads, size_t smem, const BwdParams& P, cudaStream_t s, const char* what) {
+  set_dynamic_smem(kernel, smem);
+  kernel<<<dim3(P.num_chunks, P.Hv), threads, smem, s>>>(P);
+  FGDN_CHECK_LAUNCH(what);
+}
+
 // ---- host-side launchers (one per file) -------------------------------------------------------
 // chunk-start states h by the Hopper forward (first_row: [N] int64 scratch; fwd_workspace:
 // states_workspace_bytes(p, in) bytes)
@@ -191,7 +201,9 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qn/kn, c, T, W, V_new, local dv
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
+void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)
 void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part)
+void launch_bwd_wy_sm90(const BwdParams& P, cudaStream_t s);    // the same at `fast` (sm90/bwd_wy.cu)
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg, dA_log
 
 }  // namespace flashgdn::cuda::bwd

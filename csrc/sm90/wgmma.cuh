@@ -135,32 +135,32 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d0)[32], float (&d1)[32], 
 #undef FGDN_RS128
 }
 
-// SS: d[64 x 64] (+)= A (descriptor, K-major) * B (descriptor, K-major).
-template <typename T>
+// SS: d[64 x 64] (+)= A (descriptor, K-major) * B (descriptor; kTransB: MN-major).
+template <typename T, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
 #define FGDN_SS64(TY)                                                                        \
   asm volatile(                                                                              \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                           \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " FGDN_D32                    \
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                      \
+      ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                                    \
       : FGDN_OUT32(d)                                                                        \
-      : "l"(a), "l"(b), "r"(accumulate))
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
   if constexpr (WgmmaType<T>::kBf16) FGDN_SS64("bf16");
   else FGDN_SS64("f16");
 #undef FGDN_SS64
 }
 
-// SS: [d0 | d1] (64 x 128) (+)= A (descriptor, K-major) * B (descriptor, K-major).
-template <typename T>
+// SS: [d0 | d1] (64 x 128) (+)= A (descriptor, K-major) * B (descriptor; kTransB: MN-major).
+template <typename T, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b,
                                               int accumulate) {
 #define FGDN_SS128(TY)                                                                       \
   asm volatile(                                                                              \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                           \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " FGDN_D64                   \
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                      \
+      ", %64, %65, p, 1, 1, 0, %67;\n}\n"                                                    \
       : FGDN_OUT32(d0), FGDN_OUT32(d1)                                                       \
-      : "l"(a), "l"(b), "r"(accumulate))
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
   if constexpr (WgmmaType<T>::kBf16) FGDN_SS128("bf16");
   else FGDN_SS128("f16");
 #undef FGDN_SS128

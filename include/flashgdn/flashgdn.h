@@ -56,13 +56,16 @@ typedef enum fgdn_dtype {
 /* Same codes as DLPack's DLDeviceType. */
 typedef enum fgdn_device_type { FGDN_CPU = 1, FGDN_CUDA = 2 } fgdn_device_type;
 
-/* Accuracy of the CUDA forward's chunk arithmetic (the CPU backend computes in float32 always). */
+/* Accuracy of the CUDA backend's chunk arithmetic, in the forward (fgdn_fwd_args.precision) and
+   the backward (fgdn_bwd_args.precision); the CPU backend computes in float32 always and takes
+   every level alike. In the backward, DEFAULT and FAST are single 16-bit products with float32
+   accumulation and HIGH splits the computed operands (the backward at the rounding floor). */
 typedef enum fgdn_precision {
   FGDN_PRECISION_DEFAULT = 0, /* the library's choice: as fast as keeps o within the peers' error */
   FGDN_PRECISION_FAST = 1,    /* every tensor-core operand one 16-bit value (the peers' scheme) */
   FGDN_PRECISION_HIGH = 2     /* computed operands split in two 16-bit halves: o at the rounding
-                                 floor of its dtype, about 1.4-1.7x the time of FAST (measured
-                                 on an H100, by shape) */
+                                 floor of its dtype, about 1.4-1.7x the time of FAST (forward,
+                                 measured on an H100, by shape) */
 } fgdn_precision;
 
 /* Intra-card context parallelism of the CUDA forward (docs/context-parallel.md): long sequences
@@ -169,6 +172,9 @@ typedef struct fgdn_bwd_args {
   fgdn_tensor ddt_bias;      /* [Hv] fp32, required iff gate_in_kernel and dt_bias given */
   fgdn_tensor dh0;           /* [N, Hv, K, V] fp32 | bf16 | fp16 (autograd: the dtype of
                                 initial_state), optional (only with initial_state) */
+  /* Last, so that the fields before it keep their offsets for callers built before it (a
+     zero-initialised struct asks for FGDN_PRECISION_DEFAULT). */
+  int32_t precision; /* fgdn_precision: the CUDA backward's arithmetic (as the forward's) */
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as

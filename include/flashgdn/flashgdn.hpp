@@ -56,6 +56,8 @@ inline fgdn_tensor host_tensor(void* data, fgdn_dtype dtype, std::initializer_li
   return make_tensor(data, dtype, shape, FGDN_CPU, 0);
 }
 
+// The C structs zero-initialised: every tensor absent, every flag off, precision
+// FGDN_PRECISION_DEFAULT (forward and backward), context parallelism automatic.
 struct FwdArgs : fgdn_fwd_args {
   FwdArgs() : fgdn_fwd_args() {}
 };

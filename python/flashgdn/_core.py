@@ -282,7 +282,7 @@ def _inputs(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_
     )
 
 
-# The C ABI's fgdn_precision codes of the forward's arithmetic (docs/api.md).
+# The C ABI's fgdn_precision codes of the CUDA forward's and backward's arithmetic (docs/api.md).
 PRECISIONS = {"default": 0, "fast": 1, "high": 2}
 
 
@@ -443,6 +443,7 @@ def chunk_gated_delta_rule_bwd(
     dA_log: Optional[torch.Tensor] = None,
     ddt_bias: Optional[torch.Tensor] = None,
     check_inputs: bool = False,
+    precision: str = "default",
 ) -> GDNGrads:
     """Backward pass, no autograd (recomputes the forward from the inputs).
 
@@ -453,12 +454,17 @@ def chunk_gated_delta_rule_bwd(
     is given and ``need_dh0`` is not False; dA_log with ``use_gate_in_kernel``; ddt_bias when
     ``dt_bias`` is given. Gradient buffers may be passed preallocated (written in place with their
     own strides, never through a copy); the others are allocated. ``check_inputs``: check mode
-    (docs/api.md).
+    (docs/api.md). ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA backward's
+    arithmetic, as the forward's: ``"high"`` splits the computed operands, the backward at the
+    rounding floor; ``"default"`` and ``"fast"`` take single 16-bit products with float32
+    accumulation; the CPU backend computes in float32 always; docs/api.md). Nothing is written
+    when an argument is rejected (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
     _need_dims("v", v, 4, "[B, T, Hv, V]")
     _check_device(q)
+    precision = _precision(precision)
     if need_dh0 is None:
         need_dh0 = initial_state is not None
     need_dh0 = _flag("need_dh0", need_dh0) and initial_state is not None
@@ -491,6 +497,7 @@ def chunk_gated_delta_rule_bwd(
         dA_log=_desc("dA_log", dA_log) if gate else None,
         ddt_bias=_desc("ddt_bias", ddt_bias) if gate and dt_bias is not None else None,
         dh0=_state_desc("dh0", dh0) if need_dh0 else None,
+        precision=precision,
     )
     _launch(_C.backward, _C.backward_workspace_size, kw, q.device)
     return GDNGrads(

@@ -98,13 +98,14 @@ def _bwd_op(
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, do: Tensor, dht: Optional[Tensor], need_dh0: bool, check_inputs: bool,
+    precision: str = "default",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     gr = _core.chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
-        need_dh0=need_dh0, check_inputs=check_inputs,
+        need_dh0=need_dh0, check_inputs=check_inputs, precision=precision,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -116,7 +117,7 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              do, dht, need_dh0, check_inputs):
+              do, dht, need_dh0, check_inputs, precision="default"):
     c = torch.contiguous_format
     dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
           if use_gate_in_kernel and A_log is not None else _empty(q))
@@ -138,17 +139,17 @@ _N_FWD_ARGS = 22
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
-     _precision, _final_state_dtype, _context_parallel, _cp_segment) = inputs
+     precision, _final_state_dtype, _context_parallel, _cp_segment) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
-    ctx.flags = (scale, l2norm, gate, v_first, check_inputs)
+    ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision)  # the backward's too
     ctx.mark_non_differentiable(output[2])  # checkpoints are not differentiable
 
 
 def _backward(ctx, do, dht, _dckpt):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
      state_indices) = ctx.saved_tensors
-    scale, l2norm, gate, v_first, check_inputs = ctx.flags
+    scale, l2norm, gate, v_first, check_inputs, precision = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
     if do is None:
@@ -160,7 +161,7 @@ def _backward(ctx, do, dht, _dckpt):
     need_dh0 = initial_state is not None and bool(need[9])
     dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs)
+        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision)
     grads = (dq, dk, dv, dg, dbeta,
              dA if gate and A_log is not None else None,
              ddt if gate and dt_bias is not None else None,
@@ -340,7 +341,10 @@ def chunk_gated_delta_rule(
         precision: the CUDA forward's arithmetic: ``"default"`` (the fastest scheme whose error
             stays at or below the peers'), ``"fast"`` (every tensor-core operand one 16-bit
             value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
-            of its dtype, slower). The CPU backend always computes in float32.
+            of its dtype, slower). Autograd's backward runs at the same level: ``"high"`` the
+            backward at the rounding floor (split products), ``"default"`` and ``"fast"`` single
+            16-bit products with float32 accumulation. The CPU backend always computes in
+            float32.
         context_parallel: the CUDA forward's intra-card context parallelism
             (docs/context-parallel.md): None (automatic: when the shapes may leave SMs idle, a
             plan on the GPU decides whether and where to split), True (always plan for it) or

@@ -211,6 +211,7 @@ fgdn_bwd_args parse_bwd(Kwargs& kw) {
   a.dA_log = kw.tensor("dA_log");
   a.ddt_bias = kw.tensor("ddt_bias");
   a.dh0 = kw.tensor("dh0");
+  a.precision = static_cast<int32_t>(kw.integer("precision"));
   return a;
 }
 
@@ -437,14 +438,16 @@ NB_MODULE(_C, m) {
       "forward(q=, k=, v=, g=, beta=, o=, [A_log=, dt_bias=, cu_seqlens=, cu_seqlens_host=,\n"
       "        initial_state=, state_indices=, scale=, use_qk_l2norm_in_kernel=, gate_in_kernel=,\n"
       "        state_v_first=, check_inputs=, output_final_state=, checkpoint_every=, final_state=,\n"
-      "        checkpoints=, workspace=, workspace_bytes=, stream=]): fgdn_forward. Tensors are\n"
-      "        descriptors; None (or missing) is absent.");
+      "        checkpoints=, precision=, context_parallel=, cp_segment=, workspace=,\n"
+      "        workspace_bytes=, stream=]): fgdn_forward. Tensors are descriptors; None (or\n"
+      "        missing) is absent; precision is an fgdn_precision code (0 default, 1 fast, 2 high).");
 
   m.def(
       "backward",
       [](nb::kwargs kwargs) { launch("backward", std::move(kwargs), parse_bwd, fgdn_backward); },
       "backward(<inputs as forward>, d_o=, d_final_state=, dq=, dk=, dv=, dg=, dbeta=, dA_log=,\n"
-      "         ddt_bias=, dh0=, workspace=, workspace_bytes=, stream=): fgdn_backward.");
+      "         ddt_bias=, dh0=, precision=, workspace=, workspace_bytes=, stream=): fgdn_backward;\n"
+      "         precision as forward's (the CUDA backward's arithmetic).");
 
   m.def("reference_forward", &reference_forward,
         "reference_forward(B=, T=, Hq=, Hv=, K=, V=, q=, k=, v=, g=, beta=, [cu_seqlens=, scale=,\n"

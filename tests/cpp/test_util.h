@@ -303,7 +303,7 @@ struct Spec {
   bool state_indices = false; // pool of N + 2 rows, permuted, the last sequence index -1
   bool v_first = false;
   int64_t checkpoint_every = 0;
-  fgdn_precision precision = FGDN_PRECISION_DEFAULT;  // forward
+  fgdn_precision precision = FGDN_PRECISION_DEFAULT;  // forward and backward
   fgdn_context_parallel context_parallel = FGDN_CONTEXT_PARALLEL_AUTO;  // forward
   int64_t cp_segment = 0;                                              // forward
   bool strided = false;       // q, k, v, g, beta, d_o with padded (non-contiguous) strides
@@ -593,6 +593,7 @@ struct Case {
     const int64_t BT = s.B * s.T, N = s.N();
     BwdArgs a;
     a.in = inputs();
+    a.precision = s.precision;
     a.d_o = tok_tensor(d_o_buf, s.Hv, s.V);
     if (s.dht) a.d_final_state = state_tensor(d_ht_buf, N);
     dq = HostBuffer(s.dt, BT * s.Hq * s.K);

@@ -226,6 +226,12 @@ std::vector<Case> cases() {
         f.ba.in.A_log = host_tensor(f.A_log.data(), FGDN_FLOAT32, {4});
       },
       {"'dA_log'", "none"});
+  // The backward's precision level, validated as the forward's (same wording).
+  bwd("precision_unknown_backward", [](Fixture& f) { f.ba.precision = 7; },
+      {"'precision'", "FGDN_PRECISION_DEFAULT (0), FGDN_PRECISION_FAST (1) or FGDN_PRECISION_HIGH (2)",
+       "got 7"});
+  bwd("precision_negative_backward", [](Fixture& f) { f.ba.precision = -1; },
+      {"'precision'", "FGDN_PRECISION_HIGH (2)", "got -1"});
   return c;
 }
 
@@ -259,6 +265,28 @@ TEST(ValidationApi, ValidCallsSucceedAndWrite) {
   ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
   EXPECT_FALSE(f.outputs_untouched());
   EXPECT_STREQ(fgdn_last_error(), "");
+}
+
+// Every precision level is a valid backward; the CPU backend computes in float32 whatever the
+// level, so each writes the same gradients, bit for bit.
+TEST(ValidationApi, BackwardTakesEveryPrecisionLevel) {
+  Fixture ref;
+  ASSERT_EQ(ref.ba.precision, FGDN_PRECISION_DEFAULT);  // zero-initialised: the default level
+  ASSERT_EQ(fgdn_backward(&ref.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+  for (int32_t level : {FGDN_PRECISION_FAST, FGDN_PRECISION_HIGH}) {
+    Fixture f;
+    f.ba.precision = level;
+    size_t bytes = 1;
+    ASSERT_EQ(fgdn_backward_workspace_size(&f.ba, &bytes), FGDN_SUCCESS) << fgdn_last_error();
+    EXPECT_EQ(bytes, 0u);
+    ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+    EXPECT_EQ(f.dq, ref.dq) << "precision " << level;
+    EXPECT_EQ(f.dk, ref.dk) << "precision " << level;
+    EXPECT_EQ(f.dv, ref.dv) << "precision " << level;
+    EXPECT_EQ(f.dg, ref.dg) << "precision " << level;
+    EXPECT_EQ(f.dbeta, ref.dbeta) << "precision " << level;
+    EXPECT_EQ(f.dh0, ref.dh0) << "precision " << level;
+  }
 }
 
 TEST(ValidationApi, NullPointers) {

@@ -550,7 +550,8 @@ def _log_gate_passes(bt: Built, dht, bound: float) -> bool:
     g = (-torch.exp(c.A_log.double()) * F.softplus(a)).float()
     kw = dict(c.kwargs(), use_gate_in_kernel=False, A_log=None, dt_bias=None)
     gr = flashgdn.chunk_gated_delta_rule_bwd(c.q, c.k, c.v, g, c.beta, bt.do, dht,
-                                             cu_seqlens_host=c.cu_seqlens_host, **kw)
+                                             cu_seqlens_host=c.cu_seqlens_host,
+                                             precision=bt.spec.precision, **kw)
     _sync(str(c.q.device))
     rb = reference_backward(c.q, c.k, c.v, g, c.beta, bt.do, dht, **kw)
     try:

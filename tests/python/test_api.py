@@ -626,3 +626,74 @@ def test_precision_keyword():
             chunk_gated_delta_rule(*c.inputs(), precision=bad)
         with pytest.raises(ValueError, match="precision"):
             chunk_gated_delta_rule_fwd(*c.inputs(), precision=bad)
+
+
+def test_backward_precision_keyword():
+    """precision selects the CUDA backward's arithmetic too; the CPU backend takes every level
+    (the same gradients: it computes in float32 always) and refuses anything else, naming the
+    argument and writing nothing."""
+    c = make_case(B=1, T=100, Hq=1, Hv=2, K=32, V=32, dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(c.v.shape, generator=gen).to(c.q.dtype)
+    dht = torch.randn(c.initial_state.shape, generator=gen)
+    kw = c.lowlevel_kwargs()
+    grads = [chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, precision=p)
+             for p in ("default", "fast", "high")]
+    for gr in grads[1:]:
+        for name, a, b in zip(gr._fields, grads[0], gr):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    for bad in ("bogus", 1, None):
+        dq = torch.full_like(c.q, 7.0)
+        dh0 = torch.full_like(c.initial_state, 7.0)
+        with pytest.raises(ValueError, match="precision"):
+            chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, dq=dq, dh0=dh0, precision=bad)
+        assert torch.all(dq == 7.0) and torch.all(dh0 == 7.0)
+
+
+def test_backward_precision_in_the_binding():
+    """The C ABI's fgdn_bwd_args.precision through the binding: a code other than 0, 1 or 2 is
+    refused by the library's validation with the forward's wording, before anything is written;
+    the query refuses it too."""
+    c = make_case(B=1, T=70, Hq=1, Hv=2, K=16, V=16, dtype=torch.float32, seed=6, initial_state=False)
+    do = torch.randn_like(c.v)
+    dq, dk, dv = torch.full_like(c.q, 7.0), torch.full_like(c.k, 7.0), torch.full_like(c.v, 7.0)
+    dg, dbeta = torch.full_like(c.g, 7.0), torch.full_like(c.beta, 7.0)
+    d = flashgdn._core._desc
+    kw = dict(q=d("q", c.q), k=d("k", c.k), v=d("v", c.v), g=d("g", c.g), beta=d("beta", c.beta),
+              d_o=d("do", do), dq=d("dq", dq), dk=d("dk", dk), dv=d("dv", dv), dg=d("dg", dg),
+              dbeta=d("dbeta", dbeta))
+    for bad in (3, 7, -1):
+        for fn in (_C.backward, _C.backward_workspace_size):
+            with pytest.raises(ValueError, match=r"fgdn_backward: argument 'precision': expected "
+                               r"FGDN_PRECISION_DEFAULT \(0\), FGDN_PRECISION_FAST \(1\) or "
+                               rf"FGDN_PRECISION_HIGH \(2\), got {bad}"):
+                fn(**kw, precision=bad)
+        assert all(torch.all(t == 7.0) for t in (dq, dk, dv, dg, dbeta))
+    for level in (0, 1, 2):
+        assert _C.backward_workspace_size(**kw, precision=level) == 0
+    _C.backward(**kw, precision=2)
+    assert not torch.all(dq == 7.0)
+
+
+def test_autograd_backward_takes_the_forward_precision(monkeypatch):
+    """The autograd Function runs the backward at the precision the forward was called with
+    (on the CPU the gradients are the same at every level)."""
+    seen = []
+    bwd = flashgdn._core.chunk_gated_delta_rule_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("precision"))
+        return bwd(*args, **kwargs)
+
+    monkeypatch.setattr(flashgdn._core, "chunk_gated_delta_rule_bwd", spy)
+    c = make_case(B=1, T=80, Hq=1, Hv=2, K=32, V=32, dtype=torch.bfloat16, seed=8)
+    grads = {}
+    for p in ("default", "high"):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (c.q, c.k, c.v))
+        h0 = c.initial_state.detach().clone().requires_grad_()
+        o, ht = chunk_gated_delta_rule(q, k, v, c.g, c.beta, initial_state=h0, output_final_state=True,
+                                       precision=p)
+        (o.float().sum() + ht.sum()).backward()
+        grads[p] = (q.grad, k.grad, v.grad, h0.grad)
+    assert seen == ["default", "high"]
+    assert all(torch.equal(a, b) for a, b in zip(grads["default"], grads["high"]))
