@@ -23,7 +23,8 @@
 
 namespace flashgdn::sm90::tiles {
 
-constexpr int kThreads = 256;           // two warpgroups
+constexpr int kWarpgroup = 128;         // threads of a warpgroup
+constexpr int kThreads = 2 * kWarpgroup;  // two warpgroups
 constexpr uint32_t kTile64 = 64 * 128;  // bytes of a 64-row tile
 
 // The place of a thread in a warpgroup's accumulator.

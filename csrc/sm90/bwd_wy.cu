@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
       tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.et), tl::kTile64, ac.col(e), ac.row(e), gm[0][e]);
     }
     sm90::fence_proxy_async();
-    sm90::named_barrier_sync(static_cast<uint32_t>(WyBarrier::kE), 128);
+    sm90::named_barrier_sync(static_cast<uint32_t>(WyBarrier::kE), tl::kWarpgroup);
     tl::product_rs<TQ, D, 1>(y, gm, S.kn);
     tl::product_ss<TQ, D, 64, 1>(y, S.et, S.kn, true);
     tl::finish(y);
