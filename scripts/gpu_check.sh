@@ -3,7 +3,7 @@
 # C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
 #
 #   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all);
-#                                         fuzz and sanitize-fuzz run only when named
+#                                         fuzz, sanitize-fuzz and bwd run only when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
@@ -128,6 +128,35 @@ if has fuzz; then
   rc=$?
   grep -v '^\[err\]' "$OUT/fuzz.log" | grep -v '^cases per class' | tail -20
   note "fuzz (CUDA vs the oracle, seed $FUZZ_SEED)" "$(grep -m1 '^fuzz on' "$OUT/fuzz.log" || echo "rc=$rc, no summary") ($((SECONDS - t0)) s)"
+fi
+
+if has bwd; then
+  # The backward's development loop (issue 36), one call: its C++ tests, its errors at the default
+  # level and at high (16/64, T = 2048), its times at 16/64 and 2/8 1x32768 at both levels, and
+  # Nsight Compute's time per kernel of one 16/64 fwd+bwd (when ncu is there). Logs: $OUT/bwd-*.
+  t0=$SECONDS
+  "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter='*Backward*:GateReset*' >"$OUT/bwd-tests.log" 2>&1
+  note "backward tests (C++)" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/bwd-tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
+  for pr in default high; do
+    "$BUILD/flashgdn_run" --device cuda --T 2048 --Hq 16 --Hv 64 --backward 1 --check 1 --precision $pr \
+      >"$OUT/bwd-errors-$pr.log" 2>&1
+    note "backward errors, $pr (16/64, T 2048)" "$(grep -E '^\| d' "$OUT/bwd-errors-$pr.log" | tr -s ' ' | tr '\n' ' ')"
+    for heads in 16/64 2/8; do
+      "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq "${heads%/*}" --Hv "${heads#*/}" --backward 1 --check 0 \
+        --iters 7 --precision $pr >"$OUT/bwd-time-$pr-${heads/\//-}.log" 2>&1
+      note "backward ms, $pr ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-$pr-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
+    done
+  done
+  if command -v ncu >/dev/null; then
+    ncu --metrics gpu__time_duration.sum \
+      "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 --check 0 --iters 1 \
+      >"$OUT/bwd-kernels.log" 2>&1
+    # Every kernel of the run, the forward's included; the backward's are the *_kernel names.
+    note "kernels, ms (16/64 1x32768 fwd+bwd, Nsight)" "$(awk '/Context [0-9]+, Stream/ {
+        k = "?"; if (match($0, /[A-Za-z0-9_]+_kernel(<[^>]*>)?/)) k = substr($0, RSTART, RLENGTH) }
+      /gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "us") v = v / 1000; printf "%s %.2f; ", k, v }' \
+      "$OUT/bwd-kernels.log")"
+  fi
 fi
 
 echo
