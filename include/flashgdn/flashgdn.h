@@ -58,8 +58,9 @@ typedef enum fgdn_device_type { FGDN_CPU = 1, FGDN_CUDA = 2 } fgdn_device_type;
 
 /* Accuracy of the CUDA backend's chunk arithmetic, in the forward (fgdn_fwd_args.precision) and
    the backward (fgdn_bwd_args.precision); the CPU backend computes in float32 always and takes
-   every level alike. In the backward, DEFAULT and FAST are single 16-bit products with float32
-   accumulation and HIGH splits the computed operands (the backward at the rounding floor). */
+   every level alike. In the backward, DEFAULT and FAST take single 16-bit products with float32
+   accumulation in the per-chunk gradient steps (the other steps still split), and HIGH splits
+   the computed operands in every step (the backward at the rounding floor): docs/api.md. */
 typedef enum fgdn_precision {
   FGDN_PRECISION_DEFAULT = 0, /* the library's choice: as fast as keeps o within the peers' error */
   FGDN_PRECISION_FAST = 1,    /* every tensor-core operand one 16-bit value (the peers' scheme) */
