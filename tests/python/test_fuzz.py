@@ -56,3 +56,24 @@ def _regressions():
 def test_regression(spec, device):
     """Every case a campaign found failing, shrunk, on every device."""
     run_case(spec, device)
+
+
+def test_check_takes_values_beyond_the_dtype_as_rounded():
+    """check() accepts +-inf (or the largest finite value) where the oracle's exact value lies
+    beyond the output dtype (it is that value rounded), and still fails a finite wrong value
+    there, a wrong sign, and infinity where the exact value fits."""
+    import numpy as np
+    import torch
+
+    from gdn_testutil import check
+
+    ref = np.array([1.0, -7.8e4, 3.0])
+    ok = torch.tensor([1.0, float("-inf"), 3.0], dtype=torch.float16)
+    assert check("dk", ok, ref, None, 1e-3, sliced=False) == 0.0
+    assert check("dk", torch.tensor([1.0, -65504.0, 3.0], dtype=torch.float16), ref, None, 1e-3, sliced=False) == 0.0
+    for bad in ([1.0, -100.0, 3.0], [1.0, float("inf"), 3.0]):
+        with pytest.raises(AssertionError, match="beyond the dtype's range"):
+            check("dk", torch.tensor(bad, dtype=torch.float16), ref, None, 1e-3, sliced=False)
+    with pytest.raises(AssertionError, match="non-finite"):
+        check("dk", torch.tensor([1.0, float("inf"), 3.0], dtype=torch.float16), np.array([1.0, 6.0e4, 3.0]), None,
+              1e-3, sliced=False)
