@@ -457,8 +457,9 @@ def chunk_gated_delta_rule_bwd(
     (docs/api.md). ``precision``: ``"default"``, ``"fast"`` or ``"high"`` (the CUDA backward's
     arithmetic, as the forward's: ``"high"`` splits the computed operands, the backward at the
     rounding floor; ``"default"`` and ``"fast"`` take single 16-bit products with float32
-    accumulation; the CPU backend computes in float32 always; docs/api.md). Nothing is written
-    when an argument is rejected (ValueError naming it).
+    accumulation in its per-chunk gradient steps, the other steps still split; the CPU backend
+    computes in float32 always; docs/api.md). Nothing is written when an argument is rejected
+    (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")

@@ -343,8 +343,8 @@ def chunk_gated_delta_rule(
             value) or ``"high"`` (computed operands split in two halves: o at the rounding floor
             of its dtype, slower). Autograd's backward runs at the same level: ``"high"`` the
             backward at the rounding floor (split products), ``"default"`` and ``"fast"`` single
-            16-bit products with float32 accumulation. The CPU backend always computes in
-            float32.
+            16-bit products with float32 accumulation in its per-chunk gradient steps (the
+            other steps still split). The CPU backend always computes in float32.
         context_parallel: the CUDA forward's intra-card context parallelism
             (docs/context-parallel.md): None (automatic: when the shapes may leave SMs idle, a
             plan on the GPU decides whether and where to split), True (always plan for it) or
