@@ -159,6 +159,50 @@ __device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t 
   return c;
 }
 
+// ---- the per-chunk kernels' gates ------------------------------------------------------------
+// For chunk ci, value head h: s_beta[t] = beta and s_c[t] = c, the in-chunk cumulative sum (fixed
+// order) of the gates floored at -128 (common/numerics.h; zero past the chunk's tokens), for
+// t < 64. Called by the whole block; s_c and s_beta are visible to every thread on return.
+__device__ __forceinline__ void load_chunk_gates(const BwdParams& P, const ChunkInfo& ci, int64_t h, float* s_c,
+                                                 float* s_beta) {
+  const int tid = threadIdx.x;
+  if (tid < kC) {
+    float g = 0.f, b = 0.f;
+    if (tid < ci.len) {
+      const int64_t t = ci.t0 + tid;
+      const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
+      const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
+      g = load_as_float(P.g.data, P.g_dtype, og);
+      if (P.gate_in_kernel)
+        g = gate_from_activation(g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
+      b = load_as_float(P.beta.data, P.beta_dtype, ob);
+    }
+    s_c[tid] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
+    s_beta[tid] = b;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float acc = 0.f;
+    for (int i = 0; i < kC; ++i) {
+      acc += s_c[i];
+      s_c[i] = acc;
+    }
+  }
+  __syncthreads();
+}
+
+// Column m of T = (I + A)^-1 for a strictly lower 64 x 64 A (fp32, row stride kLd) into T (same
+// layout), by forward substitution in fp32: x_i = delta_im - sum_{m <= j < i} A_ij x_j.
+__device__ __forceinline__ void inverse_column(const float* A, float* T, int m) {
+  for (int i = 0; i < m; ++i) T[i * kLd + m] = 0.f;
+  T[m * kLd + m] = 1.f;
+  for (int i = m + 1; i < kC; ++i) {
+    float x = 0.f;
+    for (int j = m; j < i; ++j) x -= A[i * kLd + j] * T[j * kLd + m];
+    T[i * kLd + m] = x;
+  }
+}
+
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
 template <int D_, typename TQ_>
 struct DimType {
@@ -198,7 +242,9 @@ void launch_per_chunk(Kernel kernel, int threads, size_t smem, const BwdParams& 
 size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
 void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, int64_t* first_row,
                        void* fwd_workspace, cudaStream_t s);
-void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qn/kn, c, T, W, V_new, local dv
+void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
+void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
+void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
 void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)

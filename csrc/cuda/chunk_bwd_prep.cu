@@ -69,29 +69,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   __shared__ float s_T[kC * kLd];
 
   const int tid = threadIdx.x;
-  if (tid < kC) {
-    float g = 0.f, b = 0.f;
-    if (tid < len) {
-      const int64_t t = ci.t0 + tid;
-      const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
-      const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
-      g = load_as_float(P.g.data, P.g_dtype, og);
-      if (P.gate_in_kernel)
-        g = gate_from_activation(g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
-      b = load_as_float(P.beta.data, P.beta_dtype, ob);
-    }
-    s_c[tid] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
-    s_beta[tid] = b;
-  }
-  __syncthreads();
-  if (tid == 0) {  // in-chunk cumulative sum, fixed order
-    float acc = 0.f;
-    for (int i = 0; i < kC; ++i) {
-      acc += s_c[i];
-      s_c[i] = acc;
-    }
-  }
-  __syncthreads();
+  load_chunk_gates(P, ci, h, s_c, s_beta);
   if (tid < kC) {
     s_ec[tid] = expf(s_c[tid]);
     P.cg[r * kC + tid] = s_c[tid];
@@ -111,16 +89,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
       });
   __syncthreads();
   // T = (I + A)^-1, one column per thread: x_i = delta_im - sum_{m <= j < i} A_ij x_j
-  if (tid < kC) {
-    const int m = tid;
-    for (int i = 0; i < m; ++i) s_T[i * kLd + m] = 0.f;
-    s_T[m * kLd + m] = 1.f;
-    for (int i = m + 1; i < kC; ++i) {
-      float x = 0.f;
-      for (int j = m; j < i; ++j) x -= s_A[i * kLd + j] * s_T[j * kLd + m];
-      s_T[i * kLd + m] = x;
-    }
-  }
+  if (tid < kC) inverse_column(s_A, s_T, tid);
   __syncthreads();
   float* Tg = P.Tm + r * kC * kC;
   for (int e = tid; e < kC * kC; e += kThreads) Tg[e] = s_T[(e / kC) * kLd + (e % kC)];
@@ -208,19 +177,22 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   ship(Im::kO, Im::kO + Im::kOPart, Im::kOPart);
 }
 
-template <int D, typename TQ>
-void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
-  qk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
-  FGDN_CHECK_LAUNCH("bwd qk_prep");
-  set_dynamic_smem(chunk_prep_kernel<D, TQ>, kImageStage + 1024);
-  chunk_prep_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, kImageStage + 1024, s>>>(P);
-  FGDN_CHECK_LAUNCH("bwd chunk_prep");
-}
-
 }  // namespace
 
+void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s) {
+  dispatch_dim_type(P, [&](auto c) {
+    using C = decltype(c);
+    qk_prep_kernel<C::D, typename C::TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
+    FGDN_CHECK_LAUNCH("bwd qk_prep");
+  });
+}
+
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s) {
-  dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
+  launch_bwd_qk_prep(P, s);
+  dispatch_dim_type(P, [&](auto c) {
+    using C = decltype(c);
+    launch_per_chunk(chunk_prep_kernel<C::D, typename C::TQ>, kThreads, kImageStage + 1024, P, s, "bwd chunk_prep");
+  });
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
     for (int e = 0; e < 32; ++e) dp[0][e] = gate_pd(ac.row(e), ac.col(e), dp[0][e]);
     const auto pair = [&](int e) { return ac.col(e) < ac.row(e) ? dp[0][e] * qk[0][e] : 0.f; };
     tl::row_col_sums(ac, pair, pair, s_rowp, s_colp);
-    tl::product_rs<TQ, D, 1>(dq, dp[0], S.kn);
+    tl::product_rs<TQ, D, 1>(dq, dp, S.kn);
     tl::finish(dq);
     store_rows(P.dqh + r * kC * D, dq, 1.f);
   } else {
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
     tl::row_dot(ac, dk, kn, lds, s_kdot);
 #pragma unroll
     for (int e = 0; e < 32; ++e) dpt[0][e] = gate_pd(ac.col(e), ac.row(e), dpt[0][e]);  // (j, i): dPD_ij
-    tl::product_rs<TQ, D, 1>(dk, dpt[0], S.qn);
+    tl::product_rs<TQ, D, 1>(dk, dpt, S.qn);
     tl::finish(dk);
     store_rows(P.dkh + r * kC * D, dk, 1.f);
     tl::begin_products();

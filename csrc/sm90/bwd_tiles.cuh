@@ -172,19 +172,22 @@ __device__ __forceinline__ void a_frag(const float (&d)[32], int s, uint32_t (&a
       a[2 * c + i] = cuda::pack2<T>(d[4 * (2 * s + c) + 2 * i], d[4 * (2 * s + c) + 2 * i + 1]);
 }
 
-// acc (64 x N) += X B with X a 64 x 64 accumulator block (A from registers) and B 64 x N, either
-// K-major (tiles [N][64]: kTransB = 0) or MN-major (tiles [64][64] along N: kTransB = 1). Issues
-// begin_products itself (after forming the fragments).
-template <typename T, int N, int kTransB>
-__device__ __forceinline__ void product_rs(float (&acc)[N / 64][32], const float (&x)[32], const void* b) {
-  uint32_t a[4][4];
+// acc (64 x N) += X B with X a 64 x 64 KB accumulator (A from registers, k = its columns) and B
+// (64 KB) x N, either K-major (tiles [N][64] along k: kTransB = 0) or MN-major (rows k, tiles of
+// N-columns 64 wide, mn_tile_bytes apart: kTransB = 1). Calls begin_products itself (after
+// forming the fragments).
+template <typename T, int N, int kTransB, int KB>
+__device__ __forceinline__ void product_rs(float (&acc)[N / 64][32], const float (&x)[KB][32], const void* b,
+                                           uint32_t mn_tile_bytes = kTile64) {
+  uint32_t a[4 * KB][4];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) a_frag<T>(x, s, a[s]);
+  for (int s = 0; s < 4 * KB; ++s) a_frag<T>(x[s / 4], s % 4, a[s]);
   const uint32_t b0 = smem_addr(b);
   begin_products();
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint64_t db = kTransB ? desc_mn_major(b0 + s * 16 * 128, kTile64) : desc_k_major(b0 + s * 32);
+  for (int s = 0; s < 4 * KB; ++s) {
+    const uint64_t db = kTransB ? desc_mn_major(b0 + s * 16 * 128, mn_tile_bytes)
+                                : desc_k_major(b0 + (s / 4) * N * 128 + (s % 4) * 32);
     if constexpr (N == 128) wgmma_rs_n128<T, kTransB>(acc[0], acc[1], a[s], db, 1);
     else wgmma_rs_n64<T, kTransB>(acc[0], a[s], db, 1);
   }

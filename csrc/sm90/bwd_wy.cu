@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
       puv[0][e] = s_beta[j] * (puv[0][e] + s_ec[j] * pwk[0][e]);
     }
     tl::zero(pwk);
-    tl::product_rs<TQ, 64, 0>(pwk, puv[0], S.tn);
+    tl::product_rs<TQ, 64, 0>(pwk, puv, S.tn);
     tl::finish(pwk);
 #pragma unroll
     for (int e = 0; e < 32; e += 2)
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
     }
     sm90::fence_proxy_async();
     sm90::named_barrier_sync(static_cast<uint32_t>(WyBarrier::kE), 128);
-    tl::product_rs<TQ, D, 1>(y, gm[0], S.kn);
+    tl::product_rs<TQ, D, 1>(y, gm, S.kn);
     tl::product_ss<TQ, D, 64, 1>(y, S.et, S.kn, true);
     tl::finish(y);
     float* dkg = P.dkh + r * kC * D;
