@@ -6,8 +6,8 @@
 //   dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (diagonal included),
 //   the reverse pass's images K~, QW = [Q~ | -W]^T, dO^T (chunk_bwd_images.cuh).
 //
-// One block per (chunk, value head), two warpgroups, operands staged once as 16-bit tiles of the
-// inputs' type (bwd_tiles.cuh), single products with fp32 accumulation:
+// One block per (chunk, value head), two warpgroups, operands staged once as 16-bit tiles
+// (bwd_tiles.cuh; which type, see PrepSmem), single products with fp32 accumulation:
 //   warpgroup 0: Kn Kn^T -> A -> T (64 threads, fp32) -> Tm and the tiles T diag(beta exp(c)),
 //                T diag(beta); W and U; the -W^T image; V_new = U + (-W) h
 //   warpgroup 1: Kn Qn^T -> P^T -> dvl = P^T dO; the images K~, Q~^T, dO^T
@@ -23,16 +23,22 @@ namespace {
 
 namespace tl = sm90::tiles;
 
+// W = T diag(beta exp(c)) Kn scales every term of row i by exp(c_j), j <= i: under strong decay
+// whole rows fall below fp16's range (6e-8) while the reverse pass weighs them against equally
+// small exp(c_L) dS. So the products that make W and use it (and Kn's other products, which
+// share its tile) are bf16 whatever the inputs' type T; V, dO and T diag(beta) stay in T.
+using bf16 = __nv_bfloat16;
+
 template <int D, typename T>
 struct PrepSmem {
   static constexpr int kB = D / 64;
-  T kn[kB][64][64];  // Kn [tokens][a]: A and B of Kn Kn^T, A of Kn Qn^T; B (MN-major) of W
-  T qn[kB][64][64];  // Qn [tokens][a]: B of Kn Qn^T
-  T v[kB][64][64];   // V [tokens][v]: B (MN-major) of U
-  T o[kB][64][64];   // dO [tokens][v]: B (MN-major) of dvl
-  T h[kB][D][64];    // S0 [a][v]: B (MN-major, k = a) of (-W) h
-  T tw[64][64];      // T diag(beta exp(c)) [i][j]: A of W
-  T tu[64][64];      // T diag(beta): A of U
+  bf16 kn[kB][64][64];  // Kn [tokens][a]: A and B of Kn Kn^T, A of Kn Qn^T; B (MN-major) of W
+  bf16 qn[kB][64][64];  // Qn [tokens][a]: B of Kn Qn^T
+  T v[kB][64][64];      // V [tokens][v]: B (MN-major) of U
+  T o[kB][64][64];      // dO [tokens][v]: B (MN-major) of dvl
+  bf16 h[kB][D][64];    // S0 [a][v]: B (MN-major, k = a) of (-W) h
+  bf16 tw[64][64];      // T diag(beta exp(c)) [i][j]: A of W
+  T tu[64][64];         // T diag(beta): A of U
   uint8_t stage1[kImageStage];  // warpgroup 1's image parts
   union {
     struct {
@@ -91,7 +97,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
-    tl::store_piece<D, TQ>(piece(i), cur, tid);
+    tl::store_piece<D, bf16>(piece(i), cur, tid);
     cur = nxt;
   }
   load_chunk_gates(P, ci, h, s_c, s_beta);
@@ -132,7 +138,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     float kk[1][32];
     tl::zero(kk);
     tl::begin_products();
-    tl::product_ss<TQ, 64, D, 0>(kk, S.kn, S.kn, false);
+    tl::product_ss<bf16, 64, D, 0>(kk, S.kn, S.kn, false);
     tl::finish(kk);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
@@ -147,7 +153,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
       const int i = e / kC, j = e % kC;
       const float t = S.u.at.t[i * kLd + j];
       Tg[e] = t;
-      tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t * s_beta[j] * s_ec[j]);
+      tl::put1<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t * s_beta[j] * s_ec[j]);
       tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t * s_beta[j]);
     }
     sm90::fence_proxy_async();
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     tl::zero(w);
     tl::zero(u);
     tl::begin_products();
-    tl::product_ss<TQ, D, 64, 1>(w, S.tw, S.kn, false);
+    tl::product_ss<bf16, D, 64, 1>(w, S.tw, S.kn, false);
     tl::product_ss<TQ, D, 64, 1>(u, S.tu, S.v, false);
     tl::finish(w);
     tl::fence(u);
@@ -170,7 +176,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
         put_image_one(S.u.stage0, kHalf, 64 * b + ac.col(e), ac.row(e), w[b][e]);  // row a, column t
       }
     ship(S.u.stage0, Im::kQW + Im::kQWTile, Im::kQW + Im::kQWPart + Im::kQWTile, Im::kQWTile, kBar);
-    tl::product_rs<TQ, D, 1>(u, w, S.h, D * 128);
+    tl::product_rs<bf16, D, 1>(u, w, S.h, D * 128);
     tl::finish(u);
     store_rows(P.vn + r * kC * D, u);
   } else {
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     tl::zero(pt);
     tl::zero(dv);
     tl::begin_products();
-    tl::product_ss<TQ, 64, D, 0>(pt, S.kn, S.qn, false);
+    tl::product_ss<bf16, 64, D, 0>(pt, S.kn, S.qn, false);
     tl::finish(pt);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {  // (j, i) = (row, column): P_ij
