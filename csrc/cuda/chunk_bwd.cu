@@ -1,7 +1,7 @@
 // Backward launcher: workspace layout and the kernel chain (see chunk_bwd.h).
 //   1. states  (per sequence)  chunk-start states h (Hopper forward)  chunk_bwd_state.cu
-//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  chunk_bwd_prep.cu
-//                              the reverse pass's bf16 images         chunk_bwd_images.cuh
+//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  sm90/bwd_prep.cu (fast),
+//                              the reverse pass's bf16 images         chunk_bwd_prep.cu (high)
 //   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
 //   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     sm90/bwd_dqk.cu (fast),
 //                                                                     chunk_bwd_dqk.cu (high)
@@ -145,7 +145,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
 
   const bool any_chunks = P.num_chunks > 0;
   if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
-  if (any_chunks) bwd::launch_bwd_prep(P, stream);
+  if (any_chunks) P.precision_high ? bwd::launch_bwd_prep(P, stream) : bwd::launch_bwd_prep_sm90(P, stream);
   if (P.N > 0) bwd::launch_bwd_dh(P, stream);
   if (any_chunks) {
     P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);

@@ -244,6 +244,7 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
                        void* fwd_workspace, cudaStream_t s);
 void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
+void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
 void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)

@@ -1,0 +1,233 @@
+// Backward, per-chunk preparation on wgmma: the `fast` level's version of chunk_prep
+// (csrc/cuda/chunk_bwd_prep.cu; `high` keeps that kernel's split products). Same outputs but W,
+// which only the images need here (dqk writes dW in its place):
+//   c, A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward substitution),
+//   W = T diag(beta exp(c)) Kn, V_new = T diag(beta) V - W h,
+//   dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (diagonal included),
+//   the reverse pass's images K~, QW = [Q~ | -W]^T, dO^T (chunk_bwd_images.cuh).
+//
+// One block per (chunk, value head), two warpgroups, operands staged once as 16-bit tiles
+// (bwd_tiles.cuh; which type, see PrepSmem), single products with fp32 accumulation:
+//   warpgroup 0: Kn Kn^T -> A -> T (64 threads, fp32) -> Tm and the tiles T diag(beta exp(c)),
+//                T diag(beta); W and U; the -W^T image; V_new = U + (-W) h
+//   warpgroup 1: Kn Qn^T -> P^T -> dvl = P^T dO; the images K~, Q~^T, dO^T
+// The images are built in shared memory (hi + lo of the fp32 values) and leave by bulk copies;
+// K~ and Q~ come from the fp32 normalised keys and queries (qk_prep), as chunk_prep's do.
+#include "cuda/chunk_bwd_images.cuh"
+#include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/bwd_tiles.cuh"
+
+namespace flashgdn::cuda::bwd {
+
+namespace {
+
+namespace tl = sm90::tiles;
+
+// W = T diag(beta exp(c)) Kn scales every term of row i by exp(c_j), j <= i: under strong decay
+// whole rows fall below fp16's range (6e-8) while the reverse pass weighs them against equally
+// small exp(c_L) dS. So the products that make W and use it (and Kn's other products, which
+// share its tile) are bf16 whatever the inputs' type T; V, dO and T diag(beta) stay in T.
+using bf16 = __nv_bfloat16;
+
+template <int D, typename T>
+struct PrepSmem {
+  static constexpr int kB = D / 64;
+  bf16 kn[kB][64][64];  // Kn [tokens][a]: A and B of Kn Kn^T, A of Kn Qn^T; B (MN-major) of W
+  bf16 qn[kB][64][64];  // Qn [tokens][a]: B of Kn Qn^T
+  T v[kB][64][64];      // V [tokens][v]: B (MN-major) of U
+  T o[kB][64][64];      // dO [tokens][v]: B (MN-major) of dvl
+  bf16 h[kB][D][64];    // S0 [a][v]: B (MN-major, k = a) of (-W) h
+  bf16 tw[64][64];      // T diag(beta exp(c)) [i][j]: A of W
+  T tu[64][64];         // T diag(beta): A of U
+  uint8_t stage1[kImageStage];  // warpgroup 1's image parts
+  union {
+    struct {
+      float a[kC * kLd];
+      float t[kC * kLd];
+    } at;                         // A and T (fp32) for the substitution
+    uint8_t stage0[kImageStage];  // then warpgroup 0's image part (-W^T)
+  } u;
+};
+
+template <int D>
+constexpr size_t prep_smem_bytes() {
+  return sizeof(PrepSmem<D, __nv_bfloat16>) + 1024;
+}
+
+// Barriers beside __syncthreads (id 0), each within one warpgroup.
+enum class PrepBarrier : uint32_t { kWg0 = 1, kWg1 = 2 };
+
+template <int D, typename TQ>
+__global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P) {
+  constexpr int kB = D / 64;
+  using Im = Images<D>;
+  constexpr uint32_t kHalf = kImageStage / 2;
+  const int64_t gc = blockIdx.x, h = blockIdx.y;
+  ChunkInfo ci;
+  if (!locate_chunk(P.seq, gc, ci)) return;
+  const int64_t hq = h / P.group, r = gc * P.Hv + h;
+  const int len = ci.len;
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+  const tl::AccCoord ac(tid);
+
+  extern __shared__ uint8_t prep_smem_raw[];
+  auto& S = *reinterpret_cast<PrepSmem<D, TQ>*>((reinterpret_cast<uintptr_t>(prep_smem_raw) + 1023) & ~uintptr_t{1023});
+  __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC];
+
+  // ---- staging: V and dO (16-bit), then Kn, Qn, S0 (fp32), the next piece's loads in flight --
+  const int64_t lds = P.Hq * D;
+  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
+  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
+  const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
+  const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
+  tl::Rows16<D> vr, orr;
+  tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
+  tl::load_rows16<D>(dog, P.d_o.s1, len, orr, tid);
+  const float* hg = P.h + r * D * D;
+  constexpr int kPieces = 2 + kB;
+  const auto piece = [&](int i) -> tl::PieceSrc {
+    if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+    if (i == 1) return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
+    return {hg + 64 * (i - 2) * D, D, reinterpret_cast<uint8_t*>(S.h) + 64 * (i - 2) * 128, D * 128};
+  };
+  tl::Piece<D> cur, nxt;
+  tl::load_piece<D>(piece(0), cur, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
+    tl::store_piece<D, bf16>(piece(i), cur, tid);
+    cur = nxt;
+  }
+  load_chunk_gates(P, ci, h, s_c, s_beta);
+  if (tid < kC) {
+    s_ec[tid] = expf(s_c[tid]);
+    s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
+    s_qe[tid] = tid < len ? P.scale * expf(s_c[tid]) : 0.f;
+    P.cg[r * kC + tid] = s_c[tid];
+  }
+  sm90::fence_proxy_async();  // the tiles, written by ordinary stores, are read by wgmma
+  __syncthreads();
+
+  uint8_t* img = P.img + r * Im::kBytes;
+  // Ships the image part pair (hi, lo) built in `buf` by this warpgroup; `buf` is free on return.
+  const auto ship = [&](uint8_t* buf, uint32_t dst_hi, uint32_t dst_lo, uint32_t bytes, PrepBarrier bar) {
+    sm90::fence_proxy_async();
+    sm90::named_barrier_sync(static_cast<uint32_t>(bar), 128);
+    if (wtid == 0) {
+      sm90::bulk_store(img + dst_hi, buf, bytes);
+      sm90::bulk_store(img + dst_lo, buf + kHalf, bytes);
+      sm90::bulk_commit_group();
+      sm90::bulk_wait_group_read<0>();
+    }
+    sm90::named_barrier_sync(static_cast<uint32_t>(bar), 128);
+  };
+  // fp32 stores of a 64 x D accumulator into a [64][D] workspace block.
+  const auto store_rows = [&](float* dst, const float (&acc)[kB][32]) {
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; e += 2)
+        *reinterpret_cast<float2*>(dst + ac.row(e) * D + 64 * b + ac.col(e)) = make_float2(acc[b][e], acc[b][e + 1]);
+  };
+
+  if (wg == 0) {
+    constexpr auto kBar = PrepBarrier::kWg0;
+    // ---- A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 ------------------------
+    float kk[1][32];
+    tl::zero(kk);
+    tl::begin_products();
+    tl::product_ss<bf16, 64, D, 0>(kk, S.kn, S.kn, false);
+    tl::finish(kk);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int i = ac.row(e), j = ac.col(e);
+      S.u.at.a[i * kLd + j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * kk[0][e] : 0.f;
+    }
+    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);
+    if (wtid < kC) inverse_column(S.u.at.a, S.u.at.t, wtid);
+    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);
+    float* Tg = P.Tm + r * kC * kC;
+    for (int e = wtid; e < kC * kC; e += 128) {
+      const int i = e / kC, j = e % kC;
+      const float t = S.u.at.t[i * kLd + j];
+      Tg[e] = t;
+      tl::put1<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t * s_beta[j] * s_ec[j]);
+      tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t * s_beta[j]);
+    }
+    sm90::fence_proxy_async();
+    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);  // the T tiles; A and T are free
+
+    // ---- W = T diag(beta exp(c)) Kn, U = T diag(beta) V; the -W^T image; V_new = U + (-W) S0
+    float w[kB][32], u[kB][32];
+    tl::zero(w);
+    tl::zero(u);
+    tl::begin_products();
+    tl::product_ss<bf16, D, 64, 1>(w, S.tw, S.kn, false);
+    tl::product_ss<TQ, D, 64, 1>(u, S.tu, S.v, false);
+    tl::finish(w);
+    tl::fence(u);
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        w[b][e] = -w[b][e];
+        put_image_one(S.u.stage0, kHalf, 64 * b + ac.col(e), ac.row(e), w[b][e]);  // row a, column t
+      }
+    ship(S.u.stage0, Im::kQW + Im::kQWTile, Im::kQW + Im::kQWPart + Im::kQWTile, Im::kQWTile, kBar);
+    tl::product_rs<bf16, D, 1>(u, w, S.h, D * 128);
+    tl::finish(u);
+    store_rows(P.vn + r * kC * D, u);
+  } else {
+    constexpr auto kBar = PrepBarrier::kWg1;
+    // ---- P^T = (scale lower(Qn Kn^T) (.) D)^T, dvl = P^T dO ---------------------------------
+    float pt[1][32], dv[kB][32];
+    tl::zero(pt);
+    tl::zero(dv);
+    tl::begin_products();
+    tl::product_ss<bf16, 64, D, 0>(pt, S.kn, S.qn, false);
+    tl::finish(pt);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {  // (j, i) = (row, column): P_ij
+      const int j = ac.row(e), i = ac.col(e);
+      pt[0][e] = j <= i ? P.scale * expf(s_c[i] - s_c[j]) * pt[0][e] : 0.f;
+    }
+    tl::product_rs<TQ, D, 1>(dv, pt, S.o);
+    tl::finish(dv);
+    store_rows(P.dvn + r * kC * D, dv);
+
+    // ---- images: K~ (rows t, pairs along a), Q~^T and dO^T (rows a / v, pairs along t) -------
+    for (int p = wtid; p < kC * D / 2; p += 128) {
+      const int t = p / (D / 2), a = 2 * (p % (D / 2));
+      put_image_pair(S.stage1 + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * kn[t * lds + a],
+                     s_ke[t] * kn[t * lds + a + 1]);
+    }
+    ship(S.stage1, Im::kK, Im::kK + Im::kKPart, Im::kKPart, kBar);
+    for (int p = wtid; p < D * kC / 2; p += 128) {
+      const int a = p % D, t = 2 * (p / D);
+      put_image_pair(S.stage1, kHalf, a, t, s_qe[t] * qn[t * lds + a], s_qe[t + 1] * qn[(t + 1) * lds + a]);
+    }
+    ship(S.stage1, Im::kQW, Im::kQW + Im::kQWPart, Im::kQWTile, kBar);
+    for (int p = wtid; p < D * kC / 2; p += 128) {
+      const int v = p % D, t = 2 * (p / D);
+      const float x0 = t < len ? to_float(dog[t * P.d_o.s1 + v]) : 0.f;
+      const float x1 = t + 1 < len ? to_float(dog[(t + 1) * P.d_o.s1 + v]) : 0.f;
+      put_image_pair(S.stage1, kHalf, v, t, x0, x1);
+    }
+    ship(S.stage1, Im::kO, Im::kO + Im::kOPart, Im::kOPart, kBar);
+  }
+}
+
+}  // namespace
+
+void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s) {
+  launch_bwd_qk_prep(P, s);
+  dispatch_dim_type(P, [&](auto c) {
+    using C = decltype(c);
+    launch_per_chunk(prep_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, prep_smem_bytes<C::D>(), P, s,
+                     "bwd prep (sm90)");
+  });
+}
+
+}  // namespace flashgdn::cuda::bwd
