@@ -1,14 +1,14 @@
 // Backward, per-chunk preparation on wgmma: the `fast` level's version of chunk_prep
 // (csrc/cuda/chunk_bwd_prep.cu; `high` keeps that kernel's split products). Same outputs but W,
 // which only the images need here (dqk writes dW in its place):
-//   c, A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward substitution),
+//   c, A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (blocked, fwd_inverse.cuh),
 //   W = T diag(beta exp(c)) Kn, V_new = T diag(beta) V - W h,
 //   dvl = P^T dO with P = scale lower(Qn Kn^T (.) D) (diagonal included),
 //   the reverse pass's images K~, QW = [Q~ | -W]^T, dO^T (chunk_bwd_images.cuh).
 //
 // One block per (chunk, value head), two warpgroups, operands staged once as 16-bit tiles
 // (bwd_tiles.cuh; which type, see PrepSmem), single products with fp32 accumulation:
-//   warpgroup 0: Kn Kn^T -> A -> T (64 threads, fp32) -> Tm and the tiles T diag(beta exp(c)),
+//   warpgroup 0: Kn Kn^T -> A -> T (fp32, TF32 split merges) -> Tm and the tiles T diag(beta exp(c)),
 //                T diag(beta); W and U; the -W^T image; V_new = U + (-W) h
 //   warpgroup 1: Kn Qn^T -> P^T -> dvl = P^T dO; the images K~, Q~^T, dO^T
 // The images are built in shared memory (hi + lo of the fp32 values) and leave by bulk copies;
@@ -16,6 +16,7 @@
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
 #include "sm90/bwd_tiles.cuh"
+#include "sm90/fwd_inverse.cuh"
 
 namespace flashgdn::cuda::bwd {
 
@@ -42,9 +43,9 @@ struct PrepSmem {
   uint8_t stage1[kImageStage];  // warpgroup 1's image parts
   union {
     struct {
-      float a[kC * kLd];
-      float t[kC * kLd];
-    } at;                         // A and T (fp32) for the substitution
+      float af[64][sm90::kLdF];
+      float tf[64][sm90::kLdF];
+    } at;                         // A and T (fp32) for the inverse (fwd_inverse.cuh)
     uint8_t stage0[kImageStage];  // then warpgroup 0's image part (-W^T)
   } u;
 };
@@ -143,15 +144,16 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
       const int i = ac.row(e), j = ac.col(e);
-      S.u.at.a[i * kLd + j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * kk[0][e] : 0.f;
+      S.u.at.af[i][j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * kk[0][e] : 0.f;
     }
-    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);
-    if (wtid < kC) inverse_column(S.u.at.a, S.u.at.t, wtid);
-    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);
+    for (int e = wtid; e < 64 * sm90::kLdF; e += tl::kWarpgroup) (&S.u.at.tf[0][0])[e] = 0.f;
+    const auto sync = [] { sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup); };
+    sync();
+    sm90::invert_chunk<true>(S.u.at, wtid >> 5, tid & 31, sync);
     float* Tg = P.Tm + r * kC * kC;
     for (int e = wtid; e < kC * kC; e += 128) {
       const int i = e / kC, j = e % kC;
-      const float t = S.u.at.t[i * kLd + j];
+      const float t = S.u.at.tf[i][j];
       Tg[e] = t;
       tl::put1<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t * s_beta[j] * s_ec[j]);
       tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t * s_beta[j]);
@@ -198,22 +200,58 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     store_rows(P.dvn + r * kC * D, dv);
 
     // ---- images: K~ (rows t, pairs along a), Q~^T and dO^T (rows a / v, pairs along t) -------
-    for (int p = wtid; p < kC * D / 2; p += 128) {
-      const int t = p / (D / 2), a = 2 * (p % (D / 2));
-      put_image_pair(S.stage1 + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * kn[t * lds + a],
-                     s_ke[t] * kn[t * lds + a + 1]);
+    // Each loop keeps kBatch items' loads in flight before it writes them (one L2 round trip a
+    // batch, not an item). Q~^T and dO^T: a warp takes 8 rows x 4 column pairs of the image, so
+    // its writes (and dO's reads of the swizzled tile) spread over the banks.
+    constexpr int kBatch = 8;
+    for (int p0 = wtid; p0 < kC * D / 2; p0 += kBatch * tl::kWarpgroup) {
+      float2 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
+        x[u] = __ldg(reinterpret_cast<const float2*>(kn + t * lds + a));
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
+        put_image_pair(S.stage1 + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * x[u].x, s_ke[t] * x[u].y);
+      }
     }
     ship(S.stage1, Im::kK, Im::kK + Im::kKPart, Im::kKPart, kBar);
-    for (int p = wtid; p < D * kC / 2; p += 128) {
-      const int a = p % D, t = 2 * (p / D);
-      put_image_pair(S.stage1, kHalf, a, t, s_qe[t] * qn[t * lds + a], s_qe[t + 1] * qn[(t + 1) * lds + a]);
+    // item p: row (lane & 7) + 8 ((p / 32) % (D / 8)), column pair (lane >> 3) + 4 ((p / 32) / (D / 8))
+    const auto row_of = [](int p, int rows) { return (p & 7) + 8 * ((p >> 5) % (rows / 8)); };
+    const auto pair_of = [](int p, int rows) { return ((p & 31) >> 3) + 4 * ((p >> 5) / (rows / 8)); };
+    for (int p0 = wtid; p0 < D * kC / 2; p0 += kBatch * tl::kWarpgroup) {
+      float x[kBatch][2];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, a = row_of(p, D), t = 2 * pair_of(p, D);
+        x[u][0] = __ldg(qn + t * lds + a);
+        x[u][1] = __ldg(qn + (t + 1) * lds + a);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, a = row_of(p, D), t = 2 * pair_of(p, D);
+        put_image_pair(S.stage1, kHalf, a, t, s_qe[t] * x[u][0], s_qe[t + 1] * x[u][1]);
+      }
     }
     ship(S.stage1, Im::kQW, Im::kQW + Im::kQWPart, Im::kQWTile, kBar);
-    for (int p = wtid; p < D * kC / 2; p += 128) {
-      const int v = p % D, t = 2 * (p / D);
-      const float x0 = t < len ? to_float(dog[t * P.d_o.s1 + v]) : 0.f;
-      const float x1 = t + 1 < len ? to_float(dog[(t + 1) * P.d_o.s1 + v]) : 0.f;
-      put_image_pair(S.stage1, kHalf, v, t, x0, x1);
+    // dO^T from dO's tile (rows past len are zero there): items are 2 x 2 blocks, rows v, v + 1.
+    const uint8_t* ot = reinterpret_cast<const uint8_t*>(S.o);
+    for (int p0 = wtid; p0 < D * kC / 4; p0 += kBatch * tl::kWarpgroup) {
+      float2 x[kBatch][2];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, v = 2 * row_of(p, D / 2), t = 2 * pair_of(p, D / 2);
+        x[u][0] = tl::get2<TQ>(ot, t, v);
+        x[u][1] = tl::get2<TQ>(ot, t + 1, v);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int p = p0 + u * tl::kWarpgroup, v = 2 * row_of(p, D / 2), t = 2 * pair_of(p, D / 2);
+        put_image_pair(S.stage1, kHalf, v, t, x[u][0].x, x[u][1].x);
+        put_image_pair(S.stage1, kHalf, v + 1, t, x[u][0].y, x[u][1].y);
+      }
     }
     ship(S.stage1, Im::kO, Im::kO + Im::kOPart, Im::kOPart, kBar);
   }
