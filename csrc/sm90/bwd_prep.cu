@@ -151,12 +151,13 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     sync();
     sm90::invert_chunk<true>(S.u.at, wtid >> 5, tid & 31, sync);
     float* Tg = P.Tm + r * kC * kC;
-    for (int e = wtid; e < kC * kC; e += 128) {
-      const int i = e / kC, j = e % kC;
-      const float t = S.u.at.tf[i][j];
-      Tg[e] = t;
-      tl::put1<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t * s_beta[j] * s_ec[j]);
-      tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t * s_beta[j]);
+    for (int e = wtid; e < kC * kC / 2; e += tl::kWarpgroup) {  // pairs (i, j), (i, j + 1)
+      const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
+      const float2 t = *reinterpret_cast<const float2*>(&S.u.at.tf[i][j]);
+      *reinterpret_cast<float2*>(Tg + i * kC + j) = t;
+      tl::put2<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t.x * s_beta[j] * s_ec[j],
+                     t.y * s_beta[j + 1] * s_ec[j + 1]);
+      tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * s_beta[j], t.y * s_beta[j + 1]);
     }
     sm90::fence_proxy_async();
     sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);  // the T tiles; A and T are free
@@ -200,44 +201,56 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     store_rows(P.dvn + r * kC * D, dv);
 
     // ---- images: K~ (rows t, pairs along a), Q~^T and dO^T (rows a / v, pairs along t) -------
-    // Each loop keeps kBatch items' loads in flight before it writes them (one L2 round trip a
-    // batch, not an item). Q~^T and dO^T: a warp takes 8 rows x 4 column pairs of the image, so
-    // its writes (and dO's reads of the swizzled tile) spread over the banks.
-    constexpr int kBatch = 8;
-    for (int p0 = wtid; p0 < kC * D / 2; p0 += kBatch * tl::kWarpgroup) {
-      float2 x[kBatch];
+    // Kn and Qn were read at the start but are out of L2 by now (a unit's traffic fills it
+    // within a few units): each loop issues all of its thread's loads before it writes them
+    // (64 values), one DRAM round trip a loop.
+    {  // K~: consecutive threads take consecutive pairs of a row (conflict-free writes)
+      constexpr int kItems = kC * D / 2 / tl::kWarpgroup;
+      float2 x[kItems];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int p = p0 + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
+      for (int u = 0; u < kItems; ++u) {
+        const int p = wtid + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
         x[u] = __ldg(reinterpret_cast<const float2*>(kn + t * lds + a));
       }
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int p = p0 + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
+      for (int u = 0; u < kItems; ++u) {
+        const int p = wtid + u * tl::kWarpgroup, t = p / (D / 2), a = 2 * (p % (D / 2));
         put_image_pair(S.stage1 + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * x[u].x, s_ke[t] * x[u].y);
       }
     }
     ship(S.stage1, Im::kK, Im::kK + Im::kKPart, Im::kKPart, kBar);
-    // item p: row (lane & 7) + 8 ((p / 32) % (D / 8)), column pair (lane >> 3) + 4 ((p / 32) / (D / 8))
-    const auto row_of = [](int p, int rows) { return (p & 7) + 8 * ((p >> 5) % (rows / 8)); };
-    const auto pair_of = [](int p, int rows) { return ((p & 31) >> 3) + 4 * ((p >> 5) / (rows / 8)); };
-    for (int p0 = wtid; p0 < D * kC / 2; p0 += kBatch * tl::kWarpgroup) {
-      float x[kBatch][2];
+    {  // Q~^T: lane l takes the token pair 2 l, 2 l + 1 and 8 consecutive a (one 32-byte sector
+       // of each token's row); each write is then one whole 128-byte image row for the warp
+      const int lane = wtid & 31, warp = wtid >> 5, t = 2 * lane;
+      constexpr int kItems = D / 8 / 4;  // 8-wide groups of a per warp
+      float4 x[kItems][4];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int p = p0 + u * tl::kWarpgroup, a = row_of(p, D), t = 2 * pair_of(p, D);
-        x[u][0] = __ldg(qn + t * lds + a);
-        x[u][1] = __ldg(qn + (t + 1) * lds + a);
+      for (int u = 0; u < kItems; ++u) {
+        const int a = 8 * (warp + 4 * u);
+        const float4* r0 = reinterpret_cast<const float4*>(qn + t * lds + a);
+        const float4* r1 = reinterpret_cast<const float4*>(qn + (t + 1) * lds + a);
+        x[u][0] = __ldg(r0);
+        x[u][1] = __ldg(r0 + 1);
+        x[u][2] = __ldg(r1);
+        x[u][3] = __ldg(r1 + 1);
       }
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int p = p0 + u * tl::kWarpgroup, a = row_of(p, D), t = 2 * pair_of(p, D);
-        put_image_pair(S.stage1, kHalf, a, t, s_qe[t] * x[u][0], s_qe[t + 1] * x[u][1]);
+      for (int u = 0; u < kItems; ++u) {
+        const int a = 8 * (warp + 4 * u);
+        const float e0 = s_qe[t], e1 = s_qe[t + 1];
+        const float q0[8] = {x[u][0].x, x[u][0].y, x[u][0].z, x[u][0].w, x[u][1].x, x[u][1].y, x[u][1].z, x[u][1].w};
+        const float q1[8] = {x[u][2].x, x[u][2].y, x[u][2].z, x[u][2].w, x[u][3].x, x[u][3].y, x[u][3].z, x[u][3].w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) put_image_pair(S.stage1, kHalf, a + k, t, e0 * q0[k], e1 * q1[k]);
       }
     }
     ship(S.stage1, Im::kQW, Im::kQW + Im::kQWPart, Im::kQWTile, kBar);
     // dO^T from dO's tile (rows past len are zero there): items are 2 x 2 blocks, rows v, v + 1.
     const uint8_t* ot = reinterpret_cast<const uint8_t*>(S.o);
+    constexpr int kBatch = 8;
+    // item p: row (lane & 7) + 8 ((p / 32) % (D / 16)), column pair (lane >> 3) + 4 ((p / 32) / (D / 16))
+    const auto row_of = [](int p, int rows) { return (p & 7) + 8 * ((p >> 5) % (rows / 8)); };
+    const auto pair_of = [](int p, int rows) { return ((p & 31) >> 3) + 4 * ((p >> 5) / (rows / 8)); };
     for (int p0 = wtid; p0 < D * kC / 4; p0 += kBatch * tl::kWarpgroup) {
       float2 x[kBatch][2];
 #pragma unroll
