@@ -7,7 +7,8 @@
 //   the reverse pass's images K~, QW = [Q~ | -W]^T, dO^T (chunk_bwd_images.cuh).
 //
 // One block per (chunk, value head), two warpgroups, operands staged once as 16-bit tiles
-// (bwd_tiles.cuh; which type, see PrepSmem), single products with fp32 accumulation:
+// (bwd_tiles.cuh; which type, see PrepSmem), single products with fp32 accumulation; Kn Kn^T and
+// Kn Qn^T as k k^T and k q^T of the raw inputs, the norms applied after (see PrepSmem):
 //   warpgroup 0: Kn Kn^T -> A -> T (fp32, TF32 split merges) -> Tm and the tiles T diag(beta exp(c)),
 //                T diag(beta); W and U; the -W^T image; V_new = U + (-W) h
 //   warpgroup 1: Kn Qn^T -> P^T -> dvl = P^T dO; the images K~, Q~^T, dO^T
@@ -24,17 +25,22 @@ namespace {
 
 namespace tl = sm90::tiles;
 
+// Kn Kn^T and Kn Qn^T are formed from the raw inputs k and q (exact in their 16-bit type, fp32
+// accumulation) with the norms 1 / ||k||, 1 / ||q|| applied to the accumulator in fp32, as the
+// forward forms them: a product of tiles rounded after the norm loses q.k's small values
+// (relative error ~2^-9 / |q.k|, which P^T dO passes to dv and dbeta).
 // W = T diag(beta exp(c)) Kn scales every term of row i by exp(c_j), j <= i: under strong decay
 // whole rows fall below fp16's range (6e-8) while the reverse pass weighs them against equally
-// small exp(c_L) dS. So the products that make W and use it (and Kn's other products, which
-// share its tile) are bf16 whatever the inputs' type T; V, dO and T diag(beta) stay in T.
+// small exp(c_L) dS. So W's products are bf16 whatever the inputs' type T (Kn staged as bf16
+// from the fp32 normalised keys); V, dO and T diag(beta) stay in T.
 using bf16 = __nv_bfloat16;
 
 template <int D, typename T>
 struct PrepSmem {
   static constexpr int kB = D / 64;
-  bf16 kn[kB][64][64];  // Kn [tokens][a]: A and B of Kn Kn^T, A of Kn Qn^T; B (MN-major) of W
-  bf16 qn[kB][64][64];  // Qn [tokens][a]: B of Kn Qn^T
+  T kr[kB][64][64];     // k [tokens][a] (raw): A and B of k k^T, A of k q^T
+  T qr[kB][64][64];     // q [tokens][a] (raw): B of k q^T
+  bf16 kn[kB][64][64];  // Kn [tokens][a]: B (MN-major) of W
   T v[kB][64][64];      // V [tokens][v]: B (MN-major) of U
   T o[kB][64][64];      // dO [tokens][v]: B (MN-major) of dvl
   bf16 h[kB][D][64];    // S0 [a][v]: B (MN-major, k = a) of (-W) h
@@ -73,26 +79,31 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
 
   extern __shared__ uint8_t prep_smem_raw[];
   auto& S = *reinterpret_cast<PrepSmem<D, TQ>*>((reinterpret_cast<uintptr_t>(prep_smem_raw) + 1023) & ~uintptr_t{1023});
-  __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC];
+  __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC], s_rk[kC], s_rq[kC];
 
-  // ---- staging: V and dO (16-bit), then Kn, Qn, S0 (fp32), the next piece's loads in flight --
+  // ---- staging: V, dO, k, q (16-bit), then Kn and S0 (fp32), the next piece's loads in flight --
   const int64_t lds = P.Hq * D;
   const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
   const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
   const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
   const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
-  tl::Rows16<D> vr, orr;
+  const TQ* kg = static_cast<const TQ*>(P.k.data) + tok_off(P.k, ci.b, ci.t0, hq);
+  const TQ* qg = static_cast<const TQ*>(P.q.data) + tok_off(P.q, ci.b, ci.t0, hq);
+  tl::Rows16<D> vr, orr, kr, qr;
+  tl::load_rows16<D>(kg, P.k.s1, len, kr, tid);
+  tl::load_rows16<D>(qg, P.q.s1, len, qr, tid);
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
   tl::load_rows16<D>(dog, P.d_o.s1, len, orr, tid);
   const float* hg = P.h + r * D * D;
-  constexpr int kPieces = 2 + kB;
+  constexpr int kPieces = 1 + kB;
   const auto piece = [&](int i) -> tl::PieceSrc {
     if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-    if (i == 1) return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
-    return {hg + 64 * (i - 2) * D, D, reinterpret_cast<uint8_t*>(S.h) + 64 * (i - 2) * 128, D * 128};
+    return {hg + 64 * (i - 1) * D, D, reinterpret_cast<uint8_t*>(S.h) + 64 * (i - 1) * 128, D * 128};
   };
   tl::Piece<D> cur, nxt;
   tl::load_piece<D>(piece(0), cur, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
 #pragma unroll
@@ -106,6 +117,9 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     s_ec[tid] = expf(s_c[tid]);
     s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
     s_qe[tid] = tid < len ? P.scale * expf(s_c[tid]) : 0.f;
+    const int64_t row = (gc * kC + tid) * P.Hq + hq;  // rq, rk: written by qk_prep for rows < len
+    s_rk[tid] = tid < len ? (P.l2norm ? P.rk[row] : 1.f) : 0.f;
+    s_rq[tid] = tid < len ? (P.l2norm ? P.rq[row] : 1.f) : 0.f;
     P.cg[r * kC + tid] = s_c[tid];
   }
   sm90::fence_proxy_async();  // the tiles, written by ordinary stores, are read by wgmma
@@ -139,12 +153,12 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     float kk[1][32];
     tl::zero(kk);
     tl::begin_products();
-    tl::product_ss<bf16, 64, D, 0>(kk, S.kn, S.kn, false);
+    tl::product_ss<TQ, 64, D, 0>(kk, S.kr, S.kr, false);
     tl::finish(kk);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
       const int i = ac.row(e), j = ac.col(e);
-      S.u.at.af[i][j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * kk[0][e] : 0.f;
+      S.u.at.af[i][j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * (s_rk[i] * s_rk[j] * kk[0][e]) : 0.f;
     }
     for (int e = wtid; e < 64 * sm90::kLdF; e += tl::kWarpgroup) (&S.u.at.tf[0][0])[e] = 0.f;
     const auto sync = [] { sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup); };
@@ -189,12 +203,12 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     tl::zero(pt);
     tl::zero(dv);
     tl::begin_products();
-    tl::product_ss<bf16, 64, D, 0>(pt, S.kn, S.qn, false);
+    tl::product_ss<TQ, 64, D, 0>(pt, S.kr, S.qr, false);
     tl::finish(pt);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {  // (j, i) = (row, column): P_ij
       const int j = ac.row(e), i = ac.col(e);
-      pt[0][e] = j <= i ? P.scale * expf(s_c[i] - s_c[j]) * pt[0][e] : 0.f;
+      pt[0][e] = j <= i ? P.scale * expf(s_c[i] - s_c[j]) * (s_rq[i] * s_rk[j] * pt[0][e]) : 0.f;
     }
     tl::product_rs<TQ, D, 1>(dv, pt, S.o);
     tl::finish(dv);
