@@ -129,14 +129,14 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   // Ships the image part pair (hi, lo) built in `buf` by this warpgroup; `buf` is free on return.
   const auto ship = [&](uint8_t* buf, uint32_t dst_hi, uint32_t dst_lo, uint32_t bytes, PrepBarrier bar) {
     sm90::fence_proxy_async();
-    sm90::named_barrier_sync(static_cast<uint32_t>(bar), 128);
+    sm90::named_barrier_sync(static_cast<uint32_t>(bar), tl::kWarpgroup);
     if (wtid == 0) {
       sm90::bulk_store(img + dst_hi, buf, bytes);
       sm90::bulk_store(img + dst_lo, buf + kHalf, bytes);
       sm90::bulk_commit_group();
       sm90::bulk_wait_group_read<0>();
     }
-    sm90::named_barrier_sync(static_cast<uint32_t>(bar), 128);
+    sm90::named_barrier_sync(static_cast<uint32_t>(bar), tl::kWarpgroup);
   };
   // fp32 stores of a 64 x D accumulator into a [64][D] workspace block.
   const auto store_rows = [&](float* dst, const float (&acc)[kB][32]) {
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
       tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * s_beta[j], t.y * s_beta[j + 1]);
     }
     sm90::fence_proxy_async();
-    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), 128);  // the T tiles; A and T are free
+    sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup);  // the T tiles; A and T are free
 
     // ---- W = T diag(beta exp(c)) Kn, U = T diag(beta) V; the -W^T image; V_new = U + (-W) S0
     float w[kB][32], u[kB][32];
