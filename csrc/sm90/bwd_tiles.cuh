@@ -194,6 +194,13 @@ __device__ __forceinline__ void product_rs(float (&acc)[N / 64][32], const float
   }
 }
 
+// Two adjacent values (row, col), (row, col + 1) of 64-row tiles of T (col even), as floats.
+template <typename T>
+__device__ __forceinline__ float2 get2(const uint8_t* tiles, int row, int col) {
+  return unpack2<T>(*reinterpret_cast<const uint32_t*>(tiles + (col >> 6) * kTile64 +
+                                                      swizzle128(row, (col & 63) >> 3) + (col & 7) * 2));
+}
+
 // ---- reductions over an accumulator (fixed shuffle trees: bitwise reproducible) -------------
 // Per row i of a 64 x 64 block: sum over the quad of the thread's two rows; lane q = 0 gets it.
 __device__ __forceinline__ void quad_sum(float (&s)[2]) {
@@ -236,6 +243,23 @@ __device__ __forceinline__ float2 load2(const float* p) { return __ldg(reinterpr
 template <typename T>
 __device__ __forceinline__ float2 load2(const T* p) {
   return unpack2<T>(__ldg(reinterpret_cast<const unsigned int*>(p)));
+}
+
+// Per row of a 64 x D accumulator and 64-row tiles of T: sum_a acc(i, a) X(i, a); lane q = 0
+// writes dst[i] (fixed order).
+template <typename T, int kB>
+__device__ __forceinline__ void row_dot_tile(const AccCoord& c, const float (&acc)[kB][32], const uint8_t* x,
+                                             float* dst) {
+  float s[2] = {0.f, 0.f};
+#pragma unroll
+  for (int b = 0; b < kB; ++b)
+#pragma unroll
+    for (int e = 0; e < 32; e += 2) {
+      const float2 v = get2<T>(x, c.row(e), 64 * b + c.col(e));
+      s[(e >> 1) & 1] += acc[b][e] * v.x + acc[b][e + 1] * v.y;
+    }
+  quad_sum(s);
+  if (c.q == 0) dst[16 * c.w + c.g] = s[0], dst[16 * c.w + c.g + 8] = s[1];
 }
 
 // Per row of a 64 x D accumulator: sum_a acc(i, a) X(i, a), X [rows][ldx] (fp32 or 16-bit; rows

@@ -36,6 +36,7 @@ struct WySmem {
   T v[kB][64][64];    // V [tokens][v]: B of dU V^T
   T m[64][64];        // M [k][j]: B (MN-major) of T^T M
   T et[64][64];       // E^T [i][j]: A of E^T Kn
+  float dk[64][D];     // dk from dqk (fp32), copied in at the start: added to at the end
 };
 
 template <int D>
@@ -72,6 +73,15 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
       b = load_as_float(P.beta.data, P.beta_dtype, ob);
     }
     s_beta[tid] = b;
+  }
+
+  // dk's partial from dqk, copied into shared memory by warpgroup 1 while everything else runs
+  // (it is read only at the very end of warpgroup 1's chain).
+  float* dkg = P.dkh + r * kC * D;
+  if (wg == 1) {
+    for (int i = tid - tl::kWarpgroup; i < kC * D / 4; i += tl::kWarpgroup)
+      sm90::cp_async_16(&S.dk[0][0] + 4 * i, dkg + 4 * i);
+    sm90::cp_async_commit();
   }
 
   // ---- staging: V (16-bit), T (natural and transposed), dU, dW, Kn --------------------------
@@ -120,7 +130,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
     tl::finish(x);
     tl::fence(puv);
     tl::fence(pwk);
-    tl::row_dot(ac, x, vg, P.v.s1, s_vx, len);
+    tl::row_dot_tile<TQ>(ac, x, reinterpret_cast<const uint8_t*>(S.v), s_vx);  // V exact in its tile
     TQ* dvo = static_cast<TQ*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0, h);
 #pragma unroll
     for (int bb = 0; bb < kB; ++bb)
@@ -184,14 +194,14 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
     tl::product_rs<TQ, D, 1>(y, gm, S.kn);
     tl::product_ss<TQ, D, 64, 1>(y, S.et, S.kn, true);
     tl::finish(y);
-    float* dkg = P.dkh + r * kC * D;
+    sm90::cp_async_wait<0>();
+    sm90::named_barrier_sync(static_cast<uint32_t>(WyBarrier::kE), tl::kWarpgroup);  // every thread's copies
 #pragma unroll
     for (int bb = 0; bb < kB; ++bb)
 #pragma unroll
       for (int e = 0; e < 32; e += 2) {
-        float2* p = reinterpret_cast<float2*>(dkg + ac.row(e) * D + 64 * bb + ac.col(e));
-        const float2 o = *p;
-        *p = make_float2(o.x + y[bb][e], o.y + y[bb][e + 1]);
+        const int i = ac.row(e), a = 64 * bb + ac.col(e);
+        *reinterpret_cast<float2*>(dkg + i * D + a) = make_float2(S.dk[i][a] + y[bb][e], S.dk[i][a + 1] + y[bb][e + 1]);
       }
   }
   __syncthreads();
