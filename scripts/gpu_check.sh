@@ -28,7 +28,10 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "commit ${FLASHGDN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(date -u +%F)" | tee -a "$OUT/gpu.txt"
 
-if has build && [ ! -x "$BUILD/flashgdn_tests" ]; then
+# A build left by an earlier call on a warm machine (same source path) is brought up to date, so
+# that no step tests the previous call's tree; a build carried from elsewhere is used as it is.
+if has build && { [ ! -x "$BUILD/flashgdn_tests" ] ||
+  grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$PWD" "$BUILD/CMakeCache.txt" 2>/dev/null; }; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
     cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
@@ -56,10 +59,11 @@ if has pytest; then
   echo "FLA: $fla_note" | tee -a "$OUT/gpu.txt"
   note "FLA for the routing tests" "$fla_note"
   if ls dist/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --target /tmp/site dist/*.whl
+    $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
   else
-    $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
   fi
+  PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
   t0=$SECONDS
   FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python -x -p no:cacheprovider \
     >"$OUT/pytest.log" 2>&1
@@ -95,8 +99,9 @@ if has sanitize-fuzz; then
   # synccheck is left out: it aborts on the forward's known divergent named barrier
   # (fwd_row_norms.cuh, bench/results/h100-2026-11-27/reliability.md). Not in the default steps.
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  [ -f /tmp/site/flashgdn/__init__.py ] ||
-    $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+  [ -n "${PKG_INSTALLED:-}" ] ||
+    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+  PKG_INSTALLED=1
   SF_SEED=${FUZZ_SEED:-$RANDOM}
   for tool in memcheck racecheck initcheck; do
     t0=$SECONDS
@@ -114,11 +119,11 @@ if has fuzz; then
   # campaign with it), failures shrunk and printed as JSON for tests/python/fuzz_regressions.json.
   # Not in the default steps: bash scripts/gpu_check.sh fuzz (after a build, or with one carried).
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  if [ ! -f /tmp/site/flashgdn/__init__.py ]; then
+  if [ -z "${PKG_INSTALLED:-}" ]; then
     if ls dist/*.whl >/dev/null 2>&1; then
-      $PY -m pip install -q --no-deps --no-index --target /tmp/site dist/*.whl
+      $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
     else
-      $PY -m pip install -q --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+      $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
     fi
   fi
   FUZZ_SEED=${FUZZ_SEED:-$RANDOM}

@@ -7,6 +7,8 @@ dh0 <= 8e-3; dg <= 1.2e-2; o, dq, dk, dv, final state, dh0 also on every (sequen
 of >= 64 tokens at twice the bound. Every element finite. FLASHGDN_ERROR_LOG=path.json records
 every measured error.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -96,6 +98,48 @@ def test_offsets_beyond_int32():
     b = bounds_for(torch.bfloat16)
     check("o", o[:, tail].cpu(), ref["o"], c, b["o"], context="offsets > 2^31")
     check("final_state", ht[1:].cpu(), ref["final_state"], c, b["final_state"], context="offsets > 2^31")
+
+
+def _pool_against_compact(device, P, Hq=1, Hv=2, D=128, lengths=(100, 37)):
+    """Backward with the initial states read from the last rows of a P-row bf16 state pool, and
+    again with the same rows passed as a compact initial_state: every gradient, bit for bit."""
+    gen = torch.Generator(device=device)
+    gen.seed()
+    T = sum(lengths)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    q = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    k = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    v = torch.randn(1, T, Hv, D, generator=gen, **bf)
+    g = -torch.nn.functional.softplus(torch.randn(1, T, Hv, generator=gen, device=device))
+    beta = torch.rand(1, T, Hv, generator=gen, device=device)
+    do = torch.randn(1, T, Hv, D, generator=gen, **bf)
+    dht = torch.randn(len(lengths), Hv, D, D, generator=gen, device=device)
+    h0 = (0.2 * torch.randn(len(lengths), Hv, D, D, generator=gen, device=device)).to(torch.bfloat16)
+    rows = [P - 1 - n for n in range(len(lengths))]
+    pool = torch.zeros(P, Hv, D, D, **bf)
+    pool[rows] = h0
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu, need_dh0=True)
+    from_pool = chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=pool,
+                                           state_indices=torch.tensor(rows, dtype=torch.int32, device=device), **kw)
+    compact = chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, **kw)
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        a, b = getattr(from_pool, name), getattr(compact, name)
+        assert torch.equal(a, b), f"{name}: the pool's rows past 2^31 elements give other values than the same rows passed compact"
+    assert bool(compact.dh0.float().abs().sum() > 0)
+    return rows
+
+
+def test_backward_pool_beyond_int32():
+    """Issue 38 (size): a backward whose initial states sit in a state pool past element 2^31
+    (bf16, 4.3 GB), against the same rows passed as a compact initial_state, whose backward the
+    oracle tests check: equal bits, or the pool's offsets went wrong."""
+    Hv, D = 2, 128
+    P = 2**31 // (Hv * D * D) + 2
+    if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs 16 GiB of GPU memory")
+    rows = _pool_against_compact(DEV, P, Hv=Hv, D=D)
+    assert min(rows) * Hv * D * D > 2**31
 
 
 def test_one_million_tokens_fwd_bwd():
