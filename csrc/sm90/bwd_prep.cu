@@ -69,16 +69,15 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   constexpr int kB = D / 64;
   using Im = Images<D>;
   constexpr uint32_t kHalf = kImageStage / 2;
-  const int64_t gc = blockIdx.x, h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group, r = gc * P.Hv + h;
-  const int len = ci.len;
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo& ci = u.ci;
+  const int64_t gc = u.gc, h = u.h, hq = u.hq, r = u.r;
+  const int len = u.len;
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const tl::AccCoord ac(tid);
 
-  extern __shared__ uint8_t prep_smem_raw[];
-  auto& S = *reinterpret_cast<PrepSmem<D, TQ>*>((reinterpret_cast<uintptr_t>(prep_smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& S = dynamic_smem_1024<PrepSmem<D, TQ>>();
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC], s_rk[kC], s_rq[kC];
 
   // ---- staging: V, dO, k, q (16-bit), then Kn and S0 (fp32), the next piece's loads in flight --
