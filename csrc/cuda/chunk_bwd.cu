@@ -11,6 +11,7 @@
 #include "cuda/chunk_bwd.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
@@ -30,6 +31,24 @@ struct Layout {
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+// Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): the segment length in chunks,
+// 0 for none. A fixed cp_segment is taken as it is (a sequence's bits then depend on nothing
+// else in the call); automatic splits only when the (sequence, value head) chains leave SMs
+// idle, into segments that fill them once, at least kMinSegmentChunks long (the warm-up of a
+// segment is up to 16 chunks: shorter segments would mostly walk windows).
+constexpr int64_t kMinSegmentChunks = 16;
+int64_t dh_segment_chunks(const Problem& p) {
+  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF) return 0;
+  if (p.cp_segment > 0) return p.cp_segment / bwd::kC;
+  int sms = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
+  const int64_t chains = p.N * p.Hv;
+  if (chains <= 0 || (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * 2 > sms)) return 0;
+  const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));  // chunks, an upper bound
+  const int64_t per_chain = std::max<int64_t>(1, sms / chains);
+  return std::max(kMinSegmentChunks, ceil_div(longest, per_chain));
+}
 
 constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
 
@@ -112,6 +131,13 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
+  P.dh_segment_chunks = dh_segment_chunks(p);
+  {
+    const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));
+    P.dh_segments = P.dh_segment_chunks > 0 && longest > P.dh_segment_chunks
+                        ? static_cast<int32_t>(ceil_div(longest, P.dh_segment_chunks))
+                        : 1;
+  }
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 
@@ -146,7 +172,11 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   const bool any_chunks = P.num_chunks > 0;
   if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
   if (any_chunks) bwd::launch_bwd_prep(P, stream);
-  if (P.N > 0) bwd::launch_bwd_dh(P, stream);
+  if (P.N > 0) {
+    P.dvn_out = P.W;  // W's buffer is free from here (the images carry -W); dW goes there later
+    bwd::launch_bwd_dh(P, stream);
+    std::swap(P.dvn, P.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
+  }
   if (any_chunks) {
     P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);
     P.precision_high ? bwd::launch_bwd_wy(P, stream) : bwd::launch_bwd_wy_sm90(P, stream);

@@ -6,11 +6,24 @@
 //   dh[chunk]  = dS                                           (gradient of the chunk's end state)
 //   dV_new^T   = dvl^T + dS^T K~^T,   K~ = diag(exp(c_L - c)) Kn    (dvl = P^T dO, chunk_prep)
 //   dS^T      <- exp(c_L) dS^T + dO^T Q~ - dV_new^T W,   Q~ = scale diag(exp(c)) Qn
-// and finally dh0 = dS (zero for a negative state index). The operands arrive as bf16 hi + lo
+// and finally dh0 = dS (zero for a negative state index). dvl is read from dvn and dV_new
+// written to dvn_out (the launcher swaps the two after the pass). The operands arrive as bf16 hi + lo
 // images written by chunk_prep (chunk_bwd_images.cuh) by two bulk copies a chunk; dS^T and
 // dV_new^T become the A operands of the next products in registers (split hi + lo), so nothing
 // on the chain converts or touches shared memory but the copies. Every product is hi*hi + hi*lo
 // + lo*hi (~fp32 accuracy, as the pass it replaced), but dO's lo half with bf16 dO (zero).
+//
+// Reverse context parallelism (docs/context-parallel.md, the backward): with P.dh_segments > 1
+// a chain's chunks are cut into segments of P.dh_segment_chunks, one CTA each (blockIdx.z), each
+// writing only its own chunks. dS at a segment's end comes from a warm-up: the CTA starts from
+// zero W chunks later and walks them first. The pass over those W chunks is the adjoint of the
+// forward's state update, a product of factors (I - beta_t k_t k_t^T) exp(g_t) of norm at most
+// exp(sum g) when the keys are L2-normalised in the kernel and 0 <= beta <= 2 (gdn-math.md,
+// the bound behind CP). So when a window's summed (floored) gate is at or below kWarmLog (-16),
+// the dS it drops is below exp(-16) = 1.1e-7 of the true one: the window certifies the
+// boundary. W is the fewest whole chunks that do, at most kWarmMaxChunks, or the chunks up to
+// the sequence's end (then the warm-up is exact, from d_final_state). A chain with any boundary
+// not certified is walked whole by its segment 0, as without the split (the same bits).
 #include <type_traits>
 
 #include "cuda/chunk_bwd_images.cuh"
@@ -46,6 +59,64 @@ __device__ __forceinline__ void acc_rs(float (&S)[kB][32], const uint32_t (&a)[4
   else sm90::wgmma_rs_n64<__nv_bfloat16, 0>(S[0], a, b, 1);
 }
 
+constexpr int kWarmMaxChunks = 16;  // as the forward's certificate (kCertifyMaxChunks)
+constexpr float kWarmLog = -16.f;
+
+// The chunks a CTA walks: hi - 1 down to lo; it writes dh and dV_new for chunks below write_hi,
+// starts from d_final_state when from_end (else from zero), and is idle when !active.
+struct ReverseWalk {
+  int64_t hi, lo, write_hi;
+  bool from_end, active;
+};
+
+// The warm-up window (chunks) that certifies the boundary before chunk j1 (0 < j1 < nch) of
+// sequence n, head h, computed by one warp (the result is the same in every lane): the fewest
+// chunks j1 .. j1 + w - 1 whose chunk gate sums reach kWarmLog with every beta in [0, 2], at most
+// kWarmMaxChunks; nch - j1 when the sequence ends first; 0 when neither.
+__device__ int warm_window(const BwdParams& P, int64_t n, int64_t h, const SeqInfo& si, int64_t nch, int64_t j1,
+                           int lane) {
+  float sum = 0.f;
+  for (int w = 1; w <= kWarmMaxChunks; ++w) {
+    const int64_t j = j1 + w - 1;
+    if (j >= nch) return w - 1;
+    const int64_t rem = si.len - j * kC;
+    const int len = static_cast<int>(rem < kC ? rem : kC);
+    bool ok = true;
+    for (int i = lane; i < len; i += 32) {
+      const int64_t t = si.t0 + j * kC + i;
+      const float b = load_as_float(P.beta.data, P.beta_dtype, si.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2);
+      ok = ok && b >= 0.f && b <= 2.f;
+    }
+    if (!__all_sync(0xffffffffu, ok)) return 0;
+    sum += P.cg[(chunk_slot(P.seq, n, j, si.t0) * P.Hv + h) * kC + len - 1];
+    if (sum <= kWarmLog) return w;
+  }
+  return j1 + kWarmMaxChunks >= nch ? static_cast<int>(nch - j1) : 0;
+}
+
+// This CTA's walk (every thread calls it: it synchronises the block).
+__device__ ReverseWalk reverse_walk(const BwdParams& P, int64_t n, int64_t h, const SeqInfo& si, int64_t nch) {
+  const int64_t seg = blockIdx.z, Lc = P.dh_segment_chunks;
+  const ReverseWalk whole{nch, 0, nch, true, seg == 0};
+  if (P.dh_segments <= 1) return whole;
+  const int64_t nseg = ceil_div(nch, Lc);
+  if (nseg <= 1) return whole;
+  if (seg >= nseg) return ReverseWalk{0, 0, 0, false, false};
+  __shared__ int s_warm;  // the window of this CTA's end boundary
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  bool fail = P.l2norm == 0;
+  for (int64_t b = 1 + warp; b < nseg && !fail; b += warps) {
+    const int w = warm_window(P, n, h, si, nch, b * Lc, lane);
+    fail = w == 0;
+    if (b == seg + 1 && lane == 0) s_warm = w;
+  }
+  if (__syncthreads_or(fail)) return whole;
+  const int64_t lo = seg * Lc, write_hi = lo + Lc < nch ? lo + Lc : nch;
+  if (write_hi == nch) return ReverseWalk{nch, lo, nch, true, true};
+  const int64_t hi = write_hi + s_warm < nch ? write_hi + s_warm : nch;
+  return ReverseWalk{hi, lo, write_hi, hi == nch, true};
+}
+
 template <int D>
 constexpr size_t dh_smem_bytes() {
   return Images<D>::kBytes + 1024;
@@ -57,6 +128,9 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
   const int64_t n = blockIdx.x, h = blockIdx.y;
   const SeqInfo si = seq_info(P.seq, n);
+  const int64_t nch = ceil_div(si.len, kC);
+  const ReverseWalk walk = reverse_walk(P, n, h, si, nch);
+  if (!walk.active) return;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, q = lane & 3;
   // Accumulator element e of a 64 x 64 block: (row 16 w + g + 8 ((e >> 1) & 1), column
@@ -69,7 +143,6 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   __shared__ Mbarrier k_full, qwo_full;
   const uint32_t img_addr = sm90::smem_addr(img);
 
-  const int64_t nch = ceil_div(si.len, kC);
   const auto slot_row = [&](int64_t j) { return chunk_slot(P.seq, n, j, si.t0) * P.Hv + h; };
   const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j
     k_full.arrive_expect_tx(Im::kKBytes);
@@ -85,9 +158,9 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  if (tid == 0 && nch > 0) {
-    load_k(nch - 1);
-    load_qwo(nch - 1);
+  if (tid == 0 && walk.hi > walk.lo) {
+    load_k(walk.hi - 1);
+    load_qwo(walk.hi - 1);
   }
 
   // dS^T from d_final_state (in its dtype: fp32 | bf16 | fp16), element (v, a).
@@ -101,23 +174,28 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   for (int b = 0; b < kB; ++b)
 #pragma unroll
     for (int e = 0; e < 32; ++e)
-      S[b][e] = P.has_d_final_state ? load_as_float(dht.data, dht.dtype, state_off(dht, n, vrow(e), 64 * b + col(e))) : 0.f;
+      S[b][e] = P.has_d_final_state && walk.from_end
+                    ? load_as_float(dht.data, dht.dtype, state_off(dht, n, vrow(e), 64 * b + col(e)))
+                    : 0.f;
 
-  for (int64_t j = nch - 1, it = 0; j >= 0; --j, ++it) {
+  for (int64_t j = walk.hi - 1, it = 0; j >= walk.lo; --j, ++it) {
+    const bool own = j < walk.write_hi;  // a warm-up chunk writes nothing
     const uint32_t parity = static_cast<uint32_t>(it & 1);
     const int64_t r = slot_row(j);
     const int64_t rem = si.len - j * kC;
     const int L = static_cast<int>(rem < kC ? rem : kC);
     const float eL = expf(P.cg[r * kC + L - 1]);
-    float* dvg = P.dvn + r * kC * D;  // [64 tokens][D]: dvl in, dV_new out
-    float Vn[32];                      // dV_new^T (64 values x 64 tokens), from dvl^T
+    const float* dvg = P.dvn + r * kC * D;  // [64 tokens][D]: dvl
+    float Vn[32];                            // dV_new^T (64 values x 64 tokens), from dvl^T
 #pragma unroll
     for (int e = 0; e < 32; ++e) Vn[e] = dvg[col(e) * D + vrow(e)];
-    float* dhg = P.dh + r * D * D;  // [D a][D v]
+    if (own) {
+      float* dhg = P.dh + r * D * D;  // [D a][D v]
 #pragma unroll
-    for (int b = 0; b < kB; ++b)
+      for (int b = 0; b < kB; ++b)
 #pragma unroll
-      for (int e = 0; e < 32; ++e) dhg[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+        for (int e = 0; e < 32; ++e) dhg[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+    }
 
     // dV_new^T += dS^T K~^T: A = dS^T in registers (k = a), B = K~ ([tokens][a], K-major).
     uint32_t sh[D / 16][4], sl[D / 16][4];  // A fragments of dS^T, formed before the products
@@ -137,9 +215,12 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     sm90::wgmma_wait<0>();
     sm90::fence_regs(Vn);
     __syncthreads();  // both warpgroups are done with K~: the next chunk's may land
-    if (tid == 0 && j > 0) load_k(j - 1);
+    if (tid == 0 && j > walk.lo) load_k(j - 1);
+    if (own) {
+      float* dvo = P.dvn_out + r * kC * D;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) dvg[col(e) * D + vrow(e)] = Vn[e];
+      for (int e = 0; e < 32; ++e) dvo[col(e) * D + vrow(e)] = Vn[e];
+    }
 
     // dS^T <- exp(c_L) dS^T + dO^T Q~ + dV_new^T (-W)
 #pragma unroll
@@ -174,10 +255,10 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
 #pragma unroll
     for (int b = 0; b < kB; ++b) sm90::fence_regs(S[b]);
     __syncthreads();  // both warpgroups are done with QW and dOt
-    if (tid == 0 && j > 0) load_qwo(j - 1);
+    if (tid == 0 && j > walk.lo) load_qwo(j - 1);
   }
 
-  if (P.want_dh0) {  // rounded to dh0's dtype (nearest even)
+  if (P.want_dh0 && walk.lo == 0) {  // rounded to dh0's dtype (nearest even)
     int64_t row = n;
     if (P.has_state_indices) row = load_index(P.state_indices, P.idx_dtype, n);
 #pragma unroll
@@ -192,7 +273,7 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   set_dynamic_smem(dh_kernel<D, TQ>, dh_smem_bytes<D>());
-  dh_kernel<D, TQ><<<dim3(P.N, P.Hv), D * 2, dh_smem_bytes<D>(), s>>>(P);
+  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass");
 }
 

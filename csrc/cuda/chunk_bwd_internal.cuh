@@ -39,6 +39,11 @@ struct BwdParams {
   int32_t has_initial_state, has_state_indices, has_d_final_state, want_dh0;
   int32_t idx_dtype;  // state_indices dtype
   int32_t precision_high;  // precision "high": split products (else the `fast` wgmma kernels)
+  // Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): each (sequence, value head)
+  // chain cut into segments of dh_segment_chunks chunks, one CTA each (dh_segments = the grid's
+  // z extent; 1: no split).
+  int32_t dh_segments;
+  int64_t dh_segment_chunks;
 
   SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
 
@@ -67,7 +72,9 @@ struct BwdParams {
   float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
   float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
-  float* dvn;   // [num_chunks * Hv, 64, D]  local dv, then dV_new
+  float* dvn;   // [num_chunks * Hv, 64, D]  local dv (dvl); after the dh pass, dV_new
+  float* dvn_out;  // the dh pass's dV_new (W's buffer, free by then); the launcher swaps it with
+                   // dvn after the pass, so that no CTA's warm-up reads a dvl another overwrote
   float* dqh;   // [num_chunks * Hv, 64, D]  dq per value head (w.r.t. normalised q)
   float* dkh;   // [num_chunks * Hv, 64, D]
   float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
