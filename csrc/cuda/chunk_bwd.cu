@@ -23,6 +23,7 @@ namespace {
 struct Layout {
   size_t off[14];
   size_t gpart, first_row;  // per-chunk gate sums; chunk_bwd_state.cu's rows
+  size_t dh_cp, dh_exact;   // the dh pass's exact-path slots and chain flags (split only)
   // One region, three tenants whose lives do not overlap (the launches run in order on one
   // stream): the states pass's forward scratch (step 1), the reverse pass's images (written by
   // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
@@ -32,22 +33,32 @@ struct Layout {
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
-// Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): the segment length in chunks,
-// 0 for none. A fixed cp_segment is taken as it is (a sequence's bits then depend on nothing
-// else in the call); automatic splits only when the (sequence, value head) chains leave SMs
-// idle, into segments that fill them once, at least kMinSegmentChunks long (the warm-up of a
-// segment is up to 16 chunks: shorter segments would mostly walk windows).
+// Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): segments of `chunks` chunks,
+// `segments` of them for the longest possible sequence (1: no split). A fixed cp_segment is
+// taken as it is, but for the floor below (a sequence's bits then depend on nothing else in
+// the call); automatic splits only when the (sequence, value head) chains leave more than half
+// the SMs idle, into segments that fill them once. Segments are at least kMinSegmentChunks long:
+// a certified segment's warm-up is up to 16 chunks, an exact one walks its chunks twice.
 constexpr int64_t kMinSegmentChunks = 16;
-int64_t dh_segment_chunks(const Problem& p) {
-  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF) return 0;
-  if (p.cp_segment > 0) return p.cp_segment / bwd::kC;
-  int sms = 0;
-  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
-  const int64_t chains = p.N * p.Hv;
-  if (chains <= 0 || (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * 2 > sms)) return 0;
+struct DhPlan {
+  int64_t chunks = 0;
+  int32_t segments = 1;
+};
+DhPlan dh_plan(const Problem& p) {
+  DhPlan d;
+  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
   const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));  // chunks, an upper bound
-  const int64_t per_chain = std::max<int64_t>(1, sms / chains);
-  return std::max(kMinSegmentChunks, ceil_div(longest, per_chain));
+  const int64_t chains = p.N * p.Hv;
+  if (p.cp_segment > 0) {
+    d.chunks = std::max(kMinSegmentChunks, p.cp_segment / bwd::kC);
+  } else {
+    int sms = 0;
+    FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
+    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * 2 > sms) return d;
+    d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(1, sms / chains)));
+  }
+  if (longest > d.chunks) d.segments = static_cast<int32_t>(ceil_div(longest, d.chunks));
+  return d;
 }
 
 constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
@@ -78,6 +89,12 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   o += align256(S * Hv * 2 * sizeof(float));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+  const DhPlan dp = dh_plan(p);
+  const size_t chains = static_cast<size_t>(p.N) * Hv;
+  L.dh_cp = o;
+  if (dp.segments > 1) o += align256(chains * static_cast<size_t>(dp.segments) * 2 * D * D * sizeof(float));
+  L.dh_exact = o;
+  if (dp.segments > 1) o += align256(chains * sizeof(int32_t));
   L.shared = L.fwd = L.img = o;
   L.off[kDqh] = o;
   L.off[kDkh] = o + align256(n[kDqh] * sizeof(float));
@@ -131,13 +148,9 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
-  P.dh_segment_chunks = dh_segment_chunks(p);
-  {
-    const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));
-    P.dh_segments = P.dh_segment_chunks > 0 && longest > P.dh_segment_chunks
-                        ? static_cast<int32_t>(ceil_div(longest, P.dh_segment_chunks))
-                        : 1;
-  }
+  const DhPlan dp = dh_plan(p);
+  P.dh_segment_chunks = dp.chunks;
+  P.dh_segments = dp.segments;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 
@@ -167,6 +180,8 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
                      &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
   for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
+  P.dh_cp = reinterpret_cast<float*>(w + L.dh_cp);
+  P.dh_exact = reinterpret_cast<int32_t*>(w + L.dh_exact);
   P.img = reinterpret_cast<uint8_t*>(w + L.img);
 
   const bool any_chunks = P.num_chunks > 0;

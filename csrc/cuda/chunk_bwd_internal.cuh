@@ -44,6 +44,9 @@ struct BwdParams {
   // z extent; 1: no split).
   int32_t dh_segments;
   int64_t dh_segment_chunks;
+  int32_t dh_phase;   // set by the dh launcher (chunk_bwd_dh.cu)
+  float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
+  int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
   SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
 

@@ -314,13 +314,14 @@ def _fwd_bwd_bits(c, do=None, dht=None, **cp):
 
 @pytest.mark.parametrize("gates", ["realistic", "none", "strong"])
 def test_backward_reverse_cp(gates):
-    """The backward's reverse pass split into segments of two chunks (cp_segment=128) against the
-    same call unsplit (context_parallel=False). With no decay no boundary far from a sequence's
-    end is certified, so each chain is walked whole: the same bits. Where the gates certify a
-    boundary (realistic: every head but head 0, which has no decay; strong: all), the dS its
-    warm-up drops is below e^-16 of the true one: the gradients agree closely and stay within the
-    oracle's bounds. Two split calls give the same bits."""
-    c = make_case(lengths=[2000, 0, 1, 300, 64, 700], Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16,
+    """The backward's reverse pass split into segments of 16 chunks (cp_segment=1024) against the
+    same call unsplit (context_parallel=False): a 3000-token sequence in three segments, one of
+    1100 tokens in two, short ones unsplit. Where the gates certify a boundary (strong: every
+    head; realistic: all but head 0, which has no decay), a warm-up drops less than e^-16 of dS;
+    elsewhere (none) the exact path (transfer matrices, the scan, a second walk) changes only the
+    rounding. Either way the gradients agree closely and stay within the oracle's bounds, and two
+    split calls give the same bits."""
+    c = make_case(lengths=[3000, 0, 1, 300, 64, 1100], Hq=2, Hv=8, K=128, V=128, dtype=torch.bfloat16,
                   device=DEV, l2norm=True)
     if gates == "none":
         c.g.zero_()
@@ -331,16 +332,13 @@ def test_backward_reverse_cp(gates):
     dht = torch.randn(c.initial_state.shape, generator=gen).to(DEV)
     kw = c.lowlevel_kwargs()
     off = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=False)
-    on = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=128)
-    again = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=128)
+    on = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
+    again = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
     torch.cuda.synchronize()
     for name, a, b, r in zip(off._fields, off, on, again):
         if a is None:
             continue
         assert torch.equal(b, r), f"{name}: two split calls differ (seed {c.seed})"
-        if gates == "none":
-            assert torch.equal(a, b), f"{name}: an uncertified chain walked in segments (seed {c.seed})"
-            continue
         tol = 2e-4 if a.dtype == torch.float32 else 2e-3  # a 16-bit output's rounding may flip
         rel = ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-300)).item()
         assert rel < tol, f"{name}: split against unsplit {rel:.2e} >= {tol:.0e} (gates {gates}, seed {c.seed})"
