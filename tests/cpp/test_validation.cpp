@@ -276,6 +276,16 @@ TEST(ValidationApi, ValidCallsSucceedAndWrite) {
   EXPECT_STREQ(fgdn_last_error(), "");
 }
 
+// Every gradient of f's backward equal, bit for bit, to ref's.
+void expect_same_gradients(const Fixture& f, const Fixture& ref, const std::string& what) {
+  EXPECT_EQ(f.dq, ref.dq) << what;
+  EXPECT_EQ(f.dk, ref.dk) << what;
+  EXPECT_EQ(f.dv, ref.dv) << what;
+  EXPECT_EQ(f.dg, ref.dg) << what;
+  EXPECT_EQ(f.dbeta, ref.dbeta) << what;
+  EXPECT_EQ(f.dh0, ref.dh0) << what;
+}
+
 // Every precision level is a valid backward; the CPU backend computes in float32 whatever the
 // level, so each writes the same gradients, bit for bit.
 TEST(ValidationApi, BackwardTakesEveryPrecisionLevel) {
@@ -289,12 +299,7 @@ TEST(ValidationApi, BackwardTakesEveryPrecisionLevel) {
     ASSERT_EQ(fgdn_backward_workspace_size(&f.ba, &bytes), FGDN_SUCCESS) << fgdn_last_error();
     EXPECT_EQ(bytes, 0u);
     ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
-    EXPECT_EQ(f.dq, ref.dq) << "precision " << level;
-    EXPECT_EQ(f.dk, ref.dk) << "precision " << level;
-    EXPECT_EQ(f.dv, ref.dv) << "precision " << level;
-    EXPECT_EQ(f.dg, ref.dg) << "precision " << level;
-    EXPECT_EQ(f.dbeta, ref.dbeta) << "precision " << level;
-    EXPECT_EQ(f.dh0, ref.dh0) << "precision " << level;
+    expect_same_gradients(f, ref, "precision " + std::to_string(level));
   }
 }
 
@@ -309,12 +314,7 @@ TEST(ValidationApi, BackwardTakesEveryContextParallelSetting) {
     f.ba.context_parallel = cp;
     f.ba.cp_segment = cp == FGDN_CONTEXT_PARALLEL_ON ? 64 : 0;
     ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
-    EXPECT_EQ(f.dq, ref.dq) << "context_parallel " << cp;
-    EXPECT_EQ(f.dk, ref.dk) << "context_parallel " << cp;
-    EXPECT_EQ(f.dv, ref.dv) << "context_parallel " << cp;
-    EXPECT_EQ(f.dg, ref.dg) << "context_parallel " << cp;
-    EXPECT_EQ(f.dbeta, ref.dbeta) << "context_parallel " << cp;
-    EXPECT_EQ(f.dh0, ref.dh0) << "context_parallel " << cp;
+    expect_same_gradients(f, ref, "context_parallel " + std::to_string(cp));
   }
 }
 
