@@ -18,8 +18,8 @@
 // writing only its own chunks. dS at a segment's end comes from a warm-up: the CTA starts from
 // zero W chunks later and walks them first. The pass over those W chunks is the adjoint of the
 // forward's state update, a product of factors (I - beta_t k_t k_t^T) exp(g_t) of norm at most
-// exp(sum g) when the keys are L2-normalised in the kernel and 0 <= beta <= 2 (gdn-math.md,
-// the bound behind CP). So when a window's summed (floored) gate is at or below kWarmLog (-16),
+// exp(sum g) when 0 <= beta_t ||k_t||^2 <= 2 (||k_t|| = 1 with the in-kernel norm; qk_prep's rk
+// gives it without; gdn-math.md, the bound behind CP). So when a window's summed (floored) gate is at or below kWarmLog (-16),
 // the dS it drops is below exp(-16) = 1.1e-7 of the true one: the window certifies the
 // boundary. W is the fewest whole chunks that do, at most kWarmMaxChunks, or the chunks up to
 // the sequence's end (then the warm-up is exact, from d_final_state).
@@ -91,7 +91,7 @@ __device__ __forceinline__ int64_t cp_slot(const BwdParams& P, int64_t chain, in
 
 // The warm-up window (chunks) that certifies the boundary before chunk j1 (0 < j1 < nch) of
 // sequence n, head h, computed by one warp (the result is the same in every lane): the fewest
-// chunks j1 .. j1 + w - 1 whose chunk gate sums reach kWarmLog with every beta in [0, 2], at most
+// chunks j1 .. j1 + w - 1 whose chunk gate sums reach kWarmLog with every beta ||k||^2 in [0, 2], at most
 // kWarmMaxChunks; nch - j1 when the sequence ends first; 0 when neither.
 __device__ int warm_window(const BwdParams& P, int64_t n, int64_t h, const SeqInfo& si, int64_t nch, int64_t j1,
                            int lane) {
@@ -101,14 +101,16 @@ __device__ int warm_window(const BwdParams& P, int64_t n, int64_t h, const SeqIn
     if (j >= nch) return w - 1;
     const int64_t rem = si.len - j * kC;
     const int len = static_cast<int>(rem < kC ? rem : kC);
+    const int64_t slot = chunk_slot(P.seq, n, j, si.t0), hq = h / P.group;
     bool ok = true;
     for (int i = lane; i < len; i += 32) {
       const int64_t t = si.t0 + j * kC + i;
       const float b = load_as_float(P.beta.data, P.beta_dtype, si.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2);
-      ok = ok && b >= 0.f && b <= 2.f;
+      const float rk = P.rk[(slot * kC + i) * P.Hq + hq];  // 1 / ||k_t||
+      ok = ok && b >= 0.f && (P.l2norm ? b : b / (rk * rk)) <= 2.f;
     }
     if (!__all_sync(0xffffffffu, ok)) return 0;
-    sum += P.cg[(chunk_slot(P.seq, n, j, si.t0) * P.Hv + h) * kC + len - 1];
+    sum += P.cg[(slot * P.Hv + h) * kC + len - 1];
     if (sum <= kWarmLog) return w;
   }
   return j1 + kWarmMaxChunks >= nch ? static_cast<int>(nch - j1) : 0;
@@ -135,7 +137,7 @@ __device__ ReverseWalk reverse_walk(const BwdParams& P, int64_t n, int64_t h, co
   }
   __shared__ int s_warm;  // the window of this CTA's end boundary
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  bool fail = P.l2norm == 0;
+  bool fail = false;
   for (int64_t b = 1 + warp; b < nseg && !fail; b += warps) {
     const int w = warm_window(P, n, h, si, nch, b * Lc, lane);
     fail = w == 0;

@@ -66,7 +66,7 @@ struct BwdParams {
   // workspace (fp32 unless noted)
   float* qn;    // [num_chunks * 64, Hq, D]  normalised q (or q), slot layout
   float* kn;    // [num_chunks * 64, Hq, D]
-  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (l2norm only)
+  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (applied with l2norm only)
   float* rk;    // [num_chunks * 64, Hq]
   float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
   float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
