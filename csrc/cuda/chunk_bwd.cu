@@ -37,9 +37,12 @@ size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 // `segments` of them for the longest possible sequence (1: no split). A fixed cp_segment is
 // taken as it is, but for the floor below (a sequence's bits then depend on nothing else in
 // the call); automatic splits only when the (sequence, value head) chains leave more than half
-// the SMs idle, into segments that fill them once. Segments are at least kMinSegmentChunks long:
-// a certified segment's warm-up is up to 16 chunks, an exact one walks its chunks twice.
+// the SMs idle, into segments that fill them once, and at least kMinSegments: a chain on the
+// exact path takes (waves of phase 1 + 1) segment walks, so two segments would gain nothing for
+// it (the benchmark's inputs have a head without decay). Segments are at least
+// kMinSegmentChunks long: a certified segment's warm-up is up to 16 chunks.
 constexpr int64_t kMinSegmentChunks = 16;
+constexpr int64_t kMinSegments = 4;
 struct DhPlan {
   int64_t chunks = 0;
   int32_t segments = 1;
@@ -55,7 +58,7 @@ DhPlan dh_plan(const Problem& p) {
     int sms = 0;
     FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
     if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * 2 > sms) return d;
-    d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(1, sms / chains)));
+    d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(kMinSegments, sms / chains)));
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>(ceil_div(longest, d.chunks));
   return d;
