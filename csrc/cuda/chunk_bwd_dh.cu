@@ -221,8 +221,7 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   const auto vrow = [&](int e) { return 64 * wg + 16 * w + g + 8 * ((e >> 1) & 1); };
   const auto col = [&](int e) { return 8 * (e >> 2) + 2 * q + (e & 1); };
 
-  extern __shared__ uint8_t dh_smem_raw[];
-  uint8_t* img = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(dh_smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* img = &dynamic_smem_1024<uint8_t>();
   __shared__ Mbarrier k_full, qwo_full;
   const uint32_t img_addr = sm90::smem_addr(img);
 

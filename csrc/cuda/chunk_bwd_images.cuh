@@ -38,14 +38,8 @@ struct Images {
 };
 
 // chunk_prep builds one image part pair (hi, lo) at a time in this much dynamic shared memory,
-// 1024-aligned (stage_smem()), and ships it with bulk copies.
+// 1024-aligned (dynamic_smem_1024, chunk_bwd_internal.cuh), and ships it with bulk copies.
 constexpr uint32_t kImageStage = 32 * 1024;
-
-__device__ __forceinline__ uint8_t* stage_smem() {
-  extern __shared__ uint8_t bwd_dynamic_smem[];
-  const uintptr_t p = reinterpret_cast<uintptr_t>(bwd_dynamic_smem);
-  return reinterpret_cast<uint8_t*>((p + 1023) & ~static_cast<uintptr_t>(1023));
-}
 
 // Writes x0, x1 (columns col, col + 1 of row `row` of a [rows][64] tile) as hi and lo pairs:
 // hi into the part at `hi`, lo `part_bytes` further.

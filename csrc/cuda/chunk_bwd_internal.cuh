@@ -213,6 +213,33 @@ __device__ __forceinline__ void inverse_column(const float* A, float* T, int m) 
   }
 }
 
+// ---- a per-chunk kernel's unit and its shared memory -------------------------------------------
+// The unit of launch_per_chunk's grid: chunk slot gc = blockIdx.x and value head h = blockIdx.y,
+// located in its sequence (ci); r = gc Hv + h is its row of the per-chunk workspace, hq its q/k
+// head. False for a surplus slot (nothing to do).
+struct ChunkUnit {
+  ChunkInfo ci;
+  int64_t gc, h, hq, r;
+  int len;  // tokens in the chunk, 1..64
+};
+__device__ __forceinline__ bool locate_unit(const BwdParams& P, ChunkUnit& u) {
+  u.gc = blockIdx.x;
+  u.h = blockIdx.y;
+  if (!locate_chunk(P.seq, u.gc, u.ci)) return false;
+  u.hq = u.h / P.group;
+  u.r = u.gc * P.Hv + u.h;
+  u.len = u.ci.len;
+  return true;
+}
+
+// The dynamic shared memory as a T, its start aligned to 1024 bytes (the 128-byte swizzle's
+// atom repeats every 1024 bytes; the launches ask for 1024 bytes more than sizeof(T)).
+template <class T>
+__device__ __forceinline__ T& dynamic_smem_1024() {
+  extern __shared__ uint8_t bwd_dynamic_smem[];
+  return *reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(bwd_dynamic_smem) + 1023) & ~uintptr_t{1023});
+}
+
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
 template <int D_, typename TQ_>
 struct DimType {

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   // copy, so that the global writes are whole lines whatever order the values are read in.
   using Im = Images<D>;
   uint8_t* img = P.img + r * Im::kBytes;
-  uint8_t* buf = stage_smem();
+  uint8_t* buf = &dynamic_smem_1024<uint8_t>();
   constexpr uint32_t kHalf = kImageStage / 2;
   const auto ship = [&](uint32_t dst_hi, uint32_t dst_lo, uint32_t bytes) {  // buf -> img, then reusable
     sm90::fence_proxy_async();

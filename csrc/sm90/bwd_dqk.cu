@@ -57,16 +57,15 @@ __device__ __forceinline__ float dot_pieces(const tl::Piece<D>& x, const tl::Pie
 template <int D, typename TQ>
 __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) {
   constexpr int kB = D / 64;
-  const int64_t gc = blockIdx.x, h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group, r = gc * P.Hv + h;
-  const int len = ci.len;
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo& ci = u.ci;
+  const int64_t gc = u.gc, h = u.h, hq = u.hq, r = u.r;
+  const int len = u.len;
   const int tid = threadIdx.x, wg = tid >> 7;
   const tl::AccCoord ac(tid);
 
-  extern __shared__ uint8_t dqk_smem_raw[];
-  auto& S = *reinterpret_cast<DqkSmem<D, TQ>*>((reinterpret_cast<uintptr_t>(dqk_smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& S = dynamic_smem_1024<DqkSmem<D, TQ>>();
   __shared__ float s_c[kC], s_q[kC], s_e[kC], s_qdot[kC], s_kdot[kC], s_rowp[kC], s_colp[4][kC];
   __shared__ float s_red[tl::kThreads / 32];
 

@@ -50,16 +50,15 @@ enum class WyBarrier : uint32_t { kM = 1, kE = 2 };
 template <int D, typename TQ>
 __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
   constexpr int kB = D / 64;
-  const int64_t gc = blockIdx.x, h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group, r = gc * P.Hv + h;
-  const int len = ci.len;
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo& ci = u.ci;
+  const int64_t gc = u.gc, h = u.h, hq = u.hq, r = u.r;
+  const int len = u.len;
   const int tid = threadIdx.x, wg = tid >> 7;
   const tl::AccCoord ac(tid);
 
-  extern __shared__ uint8_t wy_smem_raw[];
-  auto& S = *reinterpret_cast<WySmem<D, TQ>*>((reinterpret_cast<uintptr_t>(wy_smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& S = dynamic_smem_1024<WySmem<D, TQ>>();
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC];
   __shared__ float s_vx[kC], s_ky[kC], s_gk[kC], s_cole[4][kC];
 
