@@ -152,6 +152,13 @@ if has bwd; then
       note "backward ms, $pr ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-$pr-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
     done
   done
+  # The reverse pass unsplit (--cp off) beside the rows above (automatic): what its context
+  # parallelism gives, on the same machine.
+  for heads in 16/64 2/8; do
+    "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq "${heads%/*}" --Hv "${heads#*/}" --backward 1 --check 0 \
+      --iters 7 --cp off >"$OUT/bwd-time-cpoff-${heads/\//-}.log" 2>&1
+    note "backward ms, default, CP off ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-cpoff-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
+  done
   if command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum \
       "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 --check 0 --iters 1 \
