@@ -9,6 +9,7 @@
 # stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
 # FLA for the tests that route FLA's chunk_gated_delta_rule to flashgdn (the device has no package
 # registry): carry .whl/fla, made by scripts/fetch_fla_wheel.sh; without it those tests skip.
+# PYTEST_STOP= (empty) runs the whole Python GPU suite past a failure (default -x: stop at the first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashgdn-gpu}
@@ -65,7 +66,7 @@ if has pytest; then
   fi
   PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
   t0=$SECONDS
-  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python -x -p no:cacheprovider \
+  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider \
     >"$OUT/pytest.log" 2>&1
   rc=$?
   tail -15 "$OUT/pytest.log"

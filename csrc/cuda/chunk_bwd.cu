@@ -36,11 +36,12 @@ size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 // Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): segments of `chunks` chunks,
 // `segments` of them for the longest possible sequence (1: no split). A fixed cp_segment is
 // taken as it is, but for the floor below (a sequence's bits then depend on nothing else in
-// the call); automatic splits only when the (sequence, value head) chains leave more than half
-// the SMs idle, into segments that fill them once, and at least kMinSegments: a chain on the
-// exact path takes (waves of phase 1 + 1) segment walks, so two segments would gain nothing for
-// it (the benchmark's inputs have a head without decay). Segments are at least
-// kMinSegmentChunks long: a certified segment's warm-up is up to 16 chunks.
+// the call); automatic splits only when every (sequence, value head) chain can take
+// kMinSegments segments within one wave of the SMs, into segments that fill them once: a chain
+// on the exact path takes (waves of phase 1 + 1) segment walks, so fewer than four segments, or
+// a second wave, gain nothing for it (the benchmark's inputs have a head without decay; at 16/64
+// one sequence, four segments in two waves measured 4.28 ms against 3.87 unsplit). Segments are
+// at least kMinSegmentChunks long: a certified segment's warm-up is up to 16 chunks.
 constexpr int64_t kMinSegmentChunks = 16;
 constexpr int64_t kMinSegments = 4;
 struct DhPlan {
@@ -57,7 +58,7 @@ DhPlan dh_plan(const Problem& p) {
   } else {
     int sms = 0;
     FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
-    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * 2 > sms) return d;
+    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kMinSegments > sms) return d;
     d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(kMinSegments, sms / chains)));
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>(ceil_div(longest, d.chunks));

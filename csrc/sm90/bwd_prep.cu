@@ -35,6 +35,32 @@ namespace tl = sm90::tiles;
 // from the fp32 normalised keys); V, dO and T diag(beta) stay in T.
 using bf16 = __nv_bfloat16;
 
+// Rare path. k k^T and k q^T accumulate the raw rows' products in fp32: two rows of norm 2^64
+// would overflow it, where the normalised product is at most 1. A row of norm at least 2^50
+// (factor r = 1 / ||x|| <= 2^-50; products of two such rows reach 2^100 at most otherwise) is
+// scaled in its tile by s = 2^ilogb(r), exact in bf16, and its factor becomes r / s:
+// (s x_i) . y_j (r_i / s) = r_i x_i . y_j. A zero factor (a row of infinite norm) stays as is.
+__device__ __forceinline__ bool is_huge_row(float r) { return r > 0.f && r <= 0x1p-50f; }
+
+template <int D>
+__device__ __noinline__ void rescale_huge_rows(bf16 (*k)[64][64], bf16 (*q)[64][64], float* rk, float* rq, int len,
+                                               int tid) {
+  __shared__ float down[2][kC];
+  if (tid < kC) {
+    const float a = tid < len && is_huge_row(rk[tid]) ? ldexpf(1.f, ilogbf(rk[tid])) : 1.f;
+    const float b = tid < len && is_huge_row(rq[tid]) ? ldexpf(1.f, ilogbf(rq[tid])) : 1.f;
+    down[0][tid] = a, down[1][tid] = b;
+    rk[tid] /= a, rq[tid] /= b;
+  }
+  __syncthreads();
+  constexpr int kPerTile = D / 64 * 64 * 64;
+  for (int e = tid; e < 2 * kPerTile; e += tl::kThreads) {
+    const int t = e / kPerTile, i = e % kPerTile, row = (i >> 6) & 63;  // a 128-byte row holds one token's 64 values
+    bf16& x = (t == 0 ? &k[0][0][0] : &q[0][0][0])[i];
+    x = __float2bfloat16(__bfloat162float(x) * down[t][row]);
+  }
+}
+
 template <int D, typename T>
 struct PrepSmem {
   static constexpr int kB = D / 64;
@@ -123,6 +149,13 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   }
   sm90::fence_proxy_async();  // the tiles, written by ordinary stores, are read by wgmma
   __syncthreads();
+  if constexpr (std::is_same_v<TQ, bf16>) {  // an fp16 row's norm is below 2^24: never taken
+    if (__syncthreads_or(tid < len && (is_huge_row(s_rk[tid]) || is_huge_row(s_rq[tid])))) {
+      rescale_huge_rows<D>(S.kr, S.qr, s_rk, s_rq, len, tid);
+      sm90::fence_proxy_async();
+      __syncthreads();
+    }
+  }
 
   uint8_t* img = P.img + r * Im::kBytes;
   // Ships the image part pair (hi, lo) built in `buf` by this warpgroup; `buf` is free on return.
