@@ -139,7 +139,7 @@ def test_backward_pool_beyond_int32():
     if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
         pytest.skip("needs 16 GiB of GPU memory")
     rows = _pool_against_compact(DEV, P, Hv=Hv, D=D)
-    assert min(rows) * Hv * D * D > 2**31
+    assert min(rows) * Hv * D * D > 2**31 - 1  # the first row's offset is beyond int32
 
 
 def test_one_million_tokens_fwd_bwd():
@@ -342,7 +342,12 @@ def test_backward_reverse_cp(gates, l2norm):
         if a is None:
             continue
         assert torch.equal(b, r), f"{name}: two split calls differ (seed {c.seed})"
-        tol = 2e-4 if a.dtype == torch.float32 else 2e-3  # a 16-bit output's rounding may flip
+        # dS's last bits differ between the split and the unsplit pass, and below `high` dqk and
+        # wy take dS as 16-bit operands: a flipped rounding moves an element by up to 2^-8, so even
+        # fp32 outputs differ at that level (dbeta 2.1-2.2e-4 on an H100, 2026-11-28, with and
+        # without warm-ups); a 16-bit output's own rounding may flip too. The oracle check below
+        # holds both to the documented bounds.
+        tol = 1e-3 if a.dtype == torch.float32 else 2e-3
         rel = ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-300)).item()
         assert rel < tol, f"{name}: split against unsplit {rel:.2e} >= {tol:.0e} (gates {gates}, seed {c.seed})"
     rb = oracle_backward(c, do, dht)
