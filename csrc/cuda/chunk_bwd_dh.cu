@@ -314,10 +314,14 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     sm90::fence_regs(Vn);
     __syncthreads();  // both warpgroups are done with K~: the next chunk's may land
     if (tid == 0 && j > walk.lo) load_k(j - 1);
-    if (own) {
+    if (own && P.precision_high) {  // the split-product kernels read it in fp32
       float* dvo = P.dvn_out + r * kC * D;
 #pragma unroll
       for (int e = 0; e < 32; ++e) dvo[col(e) * D + vrow(e)] = Vn[e];
+    } else if (own) {  // the tile kernels stage it in the inputs' type: rounded here once
+      TQ* dvo = reinterpret_cast<TQ*>(P.dvn_out) + r * kC * D;
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dvo[col(e) * D + vrow(e)] = from_float<TQ>(Vn[e]);
     }
 
     // dS^T <- exp(c_L) dS^T + dO^T Q~ + dV_new^T (-W)

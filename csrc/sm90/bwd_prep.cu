@@ -227,7 +227,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     ship(S.u.stage0, Im::kQW + Im::kQWTile, Im::kQW + Im::kQWPart + Im::kQWTile, Im::kQWTile, kBar);
     tl::product_rs<bf16, D, 1>(u, w, S.h, D * 128);
     tl::finish(u);
-    store_rows(P.vn + r * kC * D, u);
+    // V_new in the inputs' type: dqk (below high, as this kernel) stages it so anyway.
+    tl::store_acc16<TQ>(ac, reinterpret_cast<TQ*>(P.vn) + r * kC * D, D, u);
   } else {
     constexpr auto kBar = PrepBarrier::kWg1;
     // ---- P^T = (scale lower(Qn Kn^T) (.) D)^T, dvl = P^T dO ---------------------------------
