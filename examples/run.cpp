@@ -8,7 +8,8 @@
 //                [--precision default|fast|high[,...]] [--backward 0|1] [--check 0|1]
 //                [--cp auto|on|off] [--cp-segment TOKENS]
 // With several precisions, the forward runs (and is checked) once for each; the backward once,
-// at the first.
+// at the first. --cp and --cp-segment set the forward's context parallelism and the backward's
+// (its reverse pass).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -261,6 +262,8 @@ int main(int argc, char** argv) {
   ba.dbeta = make_tensor(dbeta.ptr(), FGDN_FLOAT32, {B, T, Hv}, dev);
   ba.dh0 = make_tensor(dh0.ptr(), FGDN_FLOAT32, {N, Hv, K, V}, dev);
   ba.precision = opt.precisions.front();  // the backward runs once, at the first level
+  ba.context_parallel = opt.cp;            // its reverse pass split as the forward's (--cp)
+  ba.cp_segment = opt.cp_segment;
 
   // The float64 oracle on the same rounded inputs (once, for every precision).
   ref::Outputs ro;

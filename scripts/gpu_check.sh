@@ -9,6 +9,7 @@
 # stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
 # FLA for the tests that route FLA's chunk_gated_delta_rule to flashgdn (the device has no package
 # registry): carry .whl/fla, made by scripts/fetch_fla_wheel.sh; without it those tests skip.
+# PYTEST_STOP= (empty) runs the whole Python GPU suite past a failure (default -x: stop at the first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashgdn-gpu}
@@ -65,7 +66,7 @@ if has pytest; then
   fi
   PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
   t0=$SECONDS
-  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python -x -p no:cacheprovider \
+  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider \
     >"$OUT/pytest.log" 2>&1
   rc=$?
   tail -15 "$OUT/pytest.log"
@@ -151,6 +152,13 @@ if has bwd; then
         --iters 7 --precision $pr >"$OUT/bwd-time-$pr-${heads/\//-}.log" 2>&1
       note "backward ms, $pr ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-$pr-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
     done
+  done
+  # The reverse pass unsplit (--cp off) beside the rows above (automatic): what its context
+  # parallelism gives, on the same machine.
+  for heads in 16/64 2/8; do
+    "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq "${heads%/*}" --Hv "${heads#*/}" --backward 1 --check 0 \
+      --iters 7 --cp off >"$OUT/bwd-time-cpoff-${heads/\//-}.log" 2>&1
+    note "backward ms, default, CP off ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-cpoff-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
   done
   if command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum \

@@ -472,6 +472,19 @@ fgdn_precision check_precision(const Checker& c, int32_t precision) {
   return static_cast<fgdn_precision>(precision);
 }
 
+// context_parallel (fgdn_context_parallel) and cp_segment of the forward and the backward alike.
+void check_context_parallel(const Checker& c, int32_t context_parallel, int64_t cp_segment, Problem& p) {
+  if (context_parallel != FGDN_CONTEXT_PARALLEL_AUTO && context_parallel != FGDN_CONTEXT_PARALLEL_OFF &&
+      context_parallel != FGDN_CONTEXT_PARALLEL_ON)
+    c.fail("context_parallel",
+           "FGDN_CONTEXT_PARALLEL_AUTO (0), FGDN_CONTEXT_PARALLEL_OFF (1) or FGDN_CONTEXT_PARALLEL_ON (2)",
+           std::to_string(context_parallel));
+  if (cp_segment < 0 || cp_segment % 64 != 0 || cp_segment > (int64_t{1} << 30))
+    c.fail("cp_segment", "0 or a positive multiple of 64 up to 2^30", std::to_string(cp_segment));
+  p.context_parallel = context_parallel;
+  p.cp_segment = cp_segment;
+}
+
 // What the extents imply beyond each tensor's own range. Every size a backend derives is a
 // product of at most (tokens + 64 per sequence and batch row) x heads x two head dims x a small
 // constant: the CPU's partial buffers (B*T*Hv*K floats) and per-pair chunk states
@@ -651,15 +664,7 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
   }
 
   p.precision = check_precision(c, a->precision);
-  if (a->context_parallel != FGDN_CONTEXT_PARALLEL_AUTO && a->context_parallel != FGDN_CONTEXT_PARALLEL_OFF &&
-      a->context_parallel != FGDN_CONTEXT_PARALLEL_ON)
-    c.fail("context_parallel",
-           "FGDN_CONTEXT_PARALLEL_AUTO (0), FGDN_CONTEXT_PARALLEL_OFF (1) or FGDN_CONTEXT_PARALLEL_ON (2)",
-           std::to_string(a->context_parallel));
-  p.context_parallel = a->context_parallel;
-  if (a->cp_segment < 0 || a->cp_segment % 64 != 0 || a->cp_segment > (int64_t{1} << 30))
-    c.fail("cp_segment", "0 or a positive multiple of 64 up to 2^30", std::to_string(a->cp_segment));
-  p.cp_segment = a->cp_segment;
+  check_context_parallel(c, a->context_parallel, a->cp_segment, p);
 
   p.checkpoint_every = a->checkpoint_every;
   if (p.checkpoint_every < 0 || p.checkpoint_every % 64 != 0)
@@ -725,6 +730,7 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
   }
   p.want_dh0 = present(a->dh0);
   p.precision = check_precision(c, a->precision);
+  check_context_parallel(c, a->context_parallel, a->cp_segment, p);
   check_derived_sizes(c, p);
   c.overlaps();
   if (p.on_cuda) c.workspace(workspace, workspace_bytes);

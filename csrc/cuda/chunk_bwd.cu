@@ -1,7 +1,7 @@
 // Backward launcher: workspace layout and the kernel chain (see chunk_bwd.h).
 //   1. states  (per sequence)  chunk-start states h (Hopper forward)  chunk_bwd_state.cu
-//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  chunk_bwd_prep.cu
-//                              the reverse pass's bf16 images         chunk_bwd_images.cuh
+//   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  sm90/bwd_prep.cu (fast),
+//                              the reverse pass's bf16 images         chunk_bwd_prep.cu (high)
 //   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
 //   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     sm90/bwd_dqk.cu (fast),
 //                                                                     chunk_bwd_dqk.cu (high)
@@ -11,6 +11,7 @@
 #include "cuda/chunk_bwd.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
@@ -22,6 +23,7 @@ namespace {
 struct Layout {
   size_t off[14];
   size_t gpart, first_row;  // per-chunk gate sums; chunk_bwd_state.cu's rows
+  size_t dh_cp, dh_exact;   // the dh pass's exact-path slots and chain flags (split only)
   // One region, three tenants whose lives do not overlap (the launches run in order on one
   // stream): the states pass's forward scratch (step 1), the reverse pass's images (written by
   // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
@@ -30,6 +32,38 @@ struct Layout {
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+// Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): segments of `chunks` chunks,
+// `segments` of them for the longest possible sequence (1: no split). A fixed cp_segment is
+// taken as it is, but for the floor below (a sequence's bits then depend on nothing else in
+// the call); automatic splits only when every (sequence, value head) chain can take
+// kMinSegments segments within one wave of the SMs, into segments that fill them once: a chain
+// on the exact path takes (waves of phase 1 + 1) segment walks, so fewer than four segments, or
+// a second wave, gain nothing for it (the benchmark's inputs have a head without decay; at 16/64
+// one sequence, four segments in two waves measured 4.28 ms against 3.87 unsplit). Segments are
+// at least kMinSegmentChunks long: a certified segment's warm-up is up to 16 chunks.
+constexpr int64_t kMinSegmentChunks = 16;
+constexpr int64_t kMinSegments = 4;
+struct DhPlan {
+  int64_t chunks = 0;
+  int32_t segments = 1;
+};
+DhPlan dh_plan(const Problem& p) {
+  DhPlan d;
+  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
+  const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));  // chunks, an upper bound
+  const int64_t chains = p.N * p.Hv;
+  if (p.cp_segment > 0) {
+    d.chunks = std::max(kMinSegmentChunks, p.cp_segment / bwd::kC);
+  } else {
+    int sms = 0;
+    FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
+    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kMinSegments > sms) return d;
+    d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(kMinSegments, sms / chains)));
+  }
+  if (longest > d.chunks) d.segments = static_cast<int32_t>(ceil_div(longest, d.chunks));
+  return d;
+}
 
 constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
 
@@ -48,17 +82,27 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
       S * Hv * C * D, S * Hv * C * D,  // dqh, dkh (in the shared region)
       S * Hv * C,                      // dc
   };
+  // Below `high`, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit values
+  // (the inputs' type: the tile kernels that read them stage them so).
+  const bool wide = p.precision == FGDN_PRECISION_HIGH;
+  constexpr int kW = 8, kVn = 9;
   Layout L{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
     if (i == kDqh || i == kDkh) continue;
     L.off[i] = o;
-    o += align256(n[i] * sizeof(float));
+    o += align256(n[i] * ((i == kW || i == kVn) && !wide ? 2 : sizeof(float)));
   }
   L.gpart = o;
   o += align256(S * Hv * 2 * sizeof(float));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+  const DhPlan dp = dh_plan(p);
+  const size_t chains = static_cast<size_t>(p.N) * Hv;
+  L.dh_cp = o;
+  if (dp.segments > 1) o += align256(chains * static_cast<size_t>(dp.segments) * 2 * D * D * sizeof(float));
+  L.dh_exact = o;
+  if (dp.segments > 1) o += align256(chains * sizeof(int32_t));
   L.shared = L.fwd = L.img = o;
   L.off[kDqh] = o;
   L.off[kDkh] = o + align256(n[kDqh] * sizeof(float));
@@ -112,6 +156,9 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
+  const DhPlan dp = dh_plan(p);
+  P.dh_segment_chunks = dp.chunks;
+  P.dh_segments = dp.segments;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 
@@ -141,12 +188,18 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
                      &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
   for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
+  P.dh_cp = reinterpret_cast<float*>(w + L.dh_cp);
+  P.dh_exact = reinterpret_cast<int32_t*>(w + L.dh_exact);
   P.img = reinterpret_cast<uint8_t*>(w + L.img);
 
   const bool any_chunks = P.num_chunks > 0;
   if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
-  if (any_chunks) bwd::launch_bwd_prep(P, stream);
-  if (P.N > 0) bwd::launch_bwd_dh(P, stream);
+  if (any_chunks) P.precision_high ? bwd::launch_bwd_prep(P, stream) : bwd::launch_bwd_prep_sm90(P, stream);
+  if (P.N > 0) {
+    P.dvn_out = P.W;  // W's buffer is free from here (the images carry -W); dW goes there later
+    bwd::launch_bwd_dh(P, stream);
+    std::swap(P.dvn, P.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
+  }
   if (any_chunks) {
     P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);
     P.precision_high ? bwd::launch_bwd_wy(P, stream) : bwd::launch_bwd_wy_sm90(P, stream);

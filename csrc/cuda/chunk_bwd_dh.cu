@@ -6,11 +6,32 @@
 //   dh[chunk]  = dS                                           (gradient of the chunk's end state)
 //   dV_new^T   = dvl^T + dS^T K~^T,   K~ = diag(exp(c_L - c)) Kn    (dvl = P^T dO, chunk_prep)
 //   dS^T      <- exp(c_L) dS^T + dO^T Q~ - dV_new^T W,   Q~ = scale diag(exp(c)) Qn
-// and finally dh0 = dS (zero for a negative state index). The operands arrive as bf16 hi + lo
+// and finally dh0 = dS (zero for a negative state index). dvl is read from dvn and dV_new
+// written to dvn_out (the launcher swaps the two after the pass). The operands arrive as bf16 hi + lo
 // images written by chunk_prep (chunk_bwd_images.cuh) by two bulk copies a chunk; dS^T and
 // dV_new^T become the A operands of the next products in registers (split hi + lo), so nothing
 // on the chain converts or touches shared memory but the copies. Every product is hi*hi + hi*lo
 // + lo*hi (~fp32 accuracy, as the pass it replaced), but dO's lo half with bf16 dO (zero).
+//
+// Reverse context parallelism (docs/context-parallel.md, the backward): with P.dh_segments > 1
+// a chain's chunks are cut into segments of P.dh_segment_chunks, one CTA each (blockIdx.z), each
+// writing only its own chunks. dS at a segment's end comes from a warm-up: the CTA starts from
+// zero W chunks later and walks them first. The pass over those W chunks is the adjoint of the
+// forward's state update, a product of factors (I - beta_t k_t k_t^T) exp(g_t) of norm at most
+// exp(sum g) when 0 <= beta_t ||k_t||^2 <= 2 (||k_t|| = 1 with the in-kernel norm; qk_prep's rk
+// gives it without; gdn-math.md, the bound behind CP). So when a window's summed (floored) gate is at or below kWarmLog (-16),
+// the dS it drops is below exp(-16) = 1.1e-7 of the true one: the window certifies the
+// boundary. W is the fewest whole chunks that do, at most kWarmMaxChunks, or the chunks up to
+// the sequence's end (then the warm-up is exact, from d_final_state).
+//
+// A chain with a boundary no window certifies takes the exact path, in three launches: the pass
+// is affine in dS, dS_in = R_j^T dS_out + n_j per chunk, so per segment s
+//   phase 1  the N walk from zero gives N_s (dS at the segment's start) and the R walk, from
+//            dS^T = I with dvl and dO read as zero, gives its transfer R_s; the last segment
+//            walks for real from d_final_state and keeps its dS_start;
+//   scan     dS_start(s) = R_s^T dS_start(s + 1) + N_s, last segment first, in fp32;
+//   phase 2  each segment but the last walks again from its true end state, writing.
+// Certified chains do all their work in phase 1 (ReverseWalk says which walk a CTA does).
 #include <type_traits>
 
 #include "cuda/chunk_bwd_images.cuh"
@@ -46,6 +67,139 @@ __device__ __forceinline__ void acc_rs(float (&S)[kB][32], const uint32_t (&a)[4
   else sm90::wgmma_rs_n64<__nv_bfloat16, 0>(S[0], a, b, 1);
 }
 
+constexpr int kWarmMaxChunks = 16;  // as the forward's certificate (kCertifyMaxChunks)
+constexpr float kWarmLog = -16.f;
+
+// Where a walk's dS starts.
+enum class WalkInit { kZero, kFinalState, kIdentity, kSlot };
+
+// The chunks a CTA walks: hi - 1 down to lo; it writes dh and dV_new for chunks below write_hi
+// and dh0 when dh0; zero_inputs: dvl and dO read as zero (the R walk); store_slot >= 0: dS at the
+// end of the walk goes to that slot of P.dh_cp (init kSlot reads one). Idle when !active.
+struct ReverseWalk {
+  int64_t hi, lo, write_hi;
+  WalkInit init;
+  bool active, dh0, zero_inputs;
+  int64_t store_slot, load_slot;
+};
+
+// P.dh_cp: per (chain, segment) two D x D slots ([a][v] as dh): 0 holds N_s, then (after the
+// scan) dS_start(s); 1 holds R_s (row-major R^T).
+__device__ __forceinline__ int64_t cp_slot(const BwdParams& P, int64_t chain, int64_t seg, int which) {
+  return (chain * P.dh_segments + seg) * 2 + which;
+}
+
+// The warm-up window (chunks) that certifies the boundary before chunk j1 (0 < j1 < nch) of
+// sequence n, head h, computed by one warp (the result is the same in every lane): the fewest
+// chunks j1 .. j1 + w - 1 whose chunk gate sums reach kWarmLog with every beta ||k||^2 in [0, 2], at most
+// kWarmMaxChunks; nch - j1 when the sequence ends first; 0 when neither.
+__device__ int warm_window(const BwdParams& P, int64_t n, int64_t h, const SeqInfo& si, int64_t nch, int64_t j1,
+                           int lane) {
+  float sum = 0.f;
+  for (int w = 1; w <= kWarmMaxChunks; ++w) {
+    const int64_t j = j1 + w - 1;
+    if (j >= nch) return w - 1;
+    const int64_t rem = si.len - j * kC;
+    const int len = static_cast<int>(rem < kC ? rem : kC);
+    const int64_t slot = chunk_slot(P.seq, n, j, si.t0), hq = h / P.group;
+    bool ok = true;
+    for (int i = lane; i < len; i += 32) {
+      const int64_t t = si.t0 + j * kC + i;
+      const float b = load_as_float(P.beta.data, P.beta_dtype, si.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2);
+      const float rk = P.rk[(slot * kC + i) * P.Hq + hq];  // 1 / ||k_t||
+      ok = ok && b >= 0.f && (P.l2norm ? b : b / (rk * rk)) <= 2.f;
+    }
+    if (!__all_sync(0xffffffffu, ok)) return 0;
+    sum += P.cg[(slot * P.Hv + h) * kC + len - 1];
+    if (sum <= kWarmLog) return w;
+  }
+  return j1 + kWarmMaxChunks >= nch ? static_cast<int>(nch - j1) : 0;
+}
+
+// This CTA's walk in phase P.dh_phase (0: unsplit; 1, 2: above). Every thread calls it (it
+// synchronises the block in phase 1).
+__device__ ReverseWalk reverse_walk(const BwdParams& P, int64_t n, int64_t h, const SeqInfo& si, int64_t nch) {
+  const int phase = P.dh_phase;
+  const int64_t seg = phase == 1 ? blockIdx.z / 2 : blockIdx.z;
+  const int kind = phase == 1 ? static_cast<int>(blockIdx.z % 2) : 0;  // phase 1: 0 N (or final), 1 R
+  const int64_t Lc = P.dh_segment_chunks, chain = n * P.Hv + h;
+  const ReverseWalk idle{0, 0, 0, WalkInit::kZero, false, false, false, -1, -1};
+  const ReverseWalk whole{nch, 0, nch, WalkInit::kFinalState, true, true, false, -1, -1};
+  if (phase == 0) return blockIdx.z == 0 ? whole : idle;
+  const int64_t nseg = ceil_div(nch, Lc);
+  if (nseg <= 1) return phase == 1 && kind == 0 && seg == 0 ? whole : idle;
+  if (seg >= nseg) return idle;
+  const int64_t lo = seg * Lc, write_hi = lo + Lc < nch ? lo + Lc : nch;
+  const bool last = seg == nseg - 1;
+  if (phase == 2) {
+    if (last || P.dh_exact[chain] == 0) return idle;
+    return ReverseWalk{write_hi, lo, write_hi, WalkInit::kSlot, true, lo == 0, false, -1, cp_slot(P, chain, seg + 1, 0)};
+  }
+  __shared__ int s_warm;  // the window of this CTA's end boundary
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  bool fail = false;
+  for (int64_t b = 1 + warp; b < nseg && !fail; b += warps) {
+    const int w = warm_window(P, n, h, si, nch, b * Lc, lane);
+    fail = w == 0;
+    if (b == seg + 1 && lane == 0) s_warm = w;
+  }
+  const bool exact = __syncthreads_or(fail) != 0;
+  if (seg == 0 && kind == 0 && threadIdx.x == 0) P.dh_exact[chain] = exact ? 1 : 0;  // for the scan, phase 2
+  if (!exact) {  // certified: the segment's only walk, its warm-up first
+    if (kind == 1) return idle;
+    if (last) return ReverseWalk{nch, lo, nch, WalkInit::kFinalState, true, lo == 0, false, -1, -1};
+    const int64_t hi = write_hi + s_warm < nch ? write_hi + s_warm : nch;
+    return ReverseWalk{hi, lo, write_hi, hi == nch ? WalkInit::kFinalState : WalkInit::kZero, true, lo == 0, false,
+                       -1, -1};
+  }
+  if (last)  // the real walk, from d_final_state; its dS_start seeds the scan
+    return kind == 0 ? ReverseWalk{nch, lo, nch, WalkInit::kFinalState, true, false, false, cp_slot(P, chain, seg, 0), -1}
+                     : idle;
+  return kind == 0
+             ? ReverseWalk{write_hi, lo, lo, WalkInit::kZero, true, false, false, cp_slot(P, chain, seg, 0), -1}  // N
+             : ReverseWalk{write_hi, lo, lo, WalkInit::kIdentity, true, false, true, cp_slot(P, chain, seg, 1), -1};  // R
+}
+
+// The exact path's scan over a chain's segments, last first: slot (s, 0) <- R_s^T slot (s + 1, 0)
+// + N_s, for s = nseg - 2 .. 1 (slot (nseg - 1, 0) holds the last segment's dS_start; segment s
+// then starts its phase 2 walk from slot (s + 1, 0)). fp32 on the CUDA cores, in a fixed order.
+template <int D>
+__global__ void __launch_bounds__(256) dh_scan_kernel(BwdParams P) {
+  const int64_t n = blockIdx.x, h = blockIdx.y, chain = n * P.Hv + h;
+  const SeqInfo si = seq_info(P.seq, n);
+  const int64_t nseg = ceil_div(ceil_div(si.len, kC), P.dh_segment_chunks);
+  if (nseg <= 2 || P.dh_exact[chain] == 0) return;  // two segments: segment 0 reads slot (1, 0) as it is
+  extern __shared__ float scan_smem[];
+  float* X = scan_smem;           // [D][D]: dS_start of the segment after s
+  float* R = scan_smem + D * D;   // [D][D]: R_s^T, row-major
+  constexpr int kRows = D * D / 256;
+  const int t = threadIdx.x, v = t % D, x0 = t / D;
+  const float* last = P.dh_cp + cp_slot(P, chain, nseg - 1, 0) * D * D;
+  for (int e = t; e < D * D; e += 256) X[e] = last[e];
+  for (int64_t sg = nseg - 2; sg >= 1; --sg) {
+    float* Ns = P.dh_cp + cp_slot(P, chain, sg, 0) * D * D;
+    const float* Rs = P.dh_cp + cp_slot(P, chain, sg, 1) * D * D;
+    for (int e = t; e < D * D; e += 256) R[e] = Rs[e];
+    __syncthreads();
+    float y[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int x = x0 + (256 / D) * i;
+      float acc = Ns[x * D + v];
+      for (int k = 0; k < D; ++k) acc = fmaf(R[x * D + k], X[k * D + v], acc);
+      y[i] = acc;
+    }
+    __syncthreads();  // every thread is done reading X and R
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int x = x0 + (256 / D) * i;
+      X[x * D + v] = y[i];
+      Ns[x * D + v] = y[i];
+    }
+    __syncthreads();
+  }
+}
+
 template <int D>
 constexpr size_t dh_smem_bytes() {
   return Images<D>::kBytes + 1024;
@@ -57,6 +211,9 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
   const int64_t n = blockIdx.x, h = blockIdx.y;
   const SeqInfo si = seq_info(P.seq, n);
+  const int64_t nch = ceil_div(si.len, kC);
+  const ReverseWalk walk = reverse_walk(P, n, h, si, nch);
+  if (!walk.active) return;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, q = lane & 3;
   // Accumulator element e of a 64 x 64 block: (row 16 w + g + 8 ((e >> 1) & 1), column
@@ -68,25 +225,32 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   __shared__ Mbarrier k_full, qwo_full;
   const uint32_t img_addr = sm90::smem_addr(img);
 
-  const int64_t nch = ceil_div(si.len, kC);
   const auto slot_row = [&](int64_t j) { return chunk_slot(P.seq, n, j, si.t0) * P.Hv + h; };
   const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j
     k_full.arrive_expect_tx(Im::kKBytes);
     sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, Im::kKBytes, &k_full);
   };
-  const auto load_qwo = [&](int64_t j) {  // one thread: QW and dOt of chunk j
-    qwo_full.arrive_expect_tx(Im::kQWOBytes);
-    sm90::bulk_load(img + Im::kQW, P.img + slot_row(j) * Im::kBytes + Im::kQW, Im::kQWOBytes, &qwo_full);
+  // One thread: QW and dOt of chunk j; the R walk takes QW only, its dOt zero from the start (so
+  // that its dO^T Q~ adds exact zeros: no branch among the products).
+  const uint32_t qwo_bytes = walk.zero_inputs ? Im::kO - Im::kQW : Im::kQWOBytes;
+  const auto load_qwo = [&](int64_t j) {
+    qwo_full.arrive_expect_tx(qwo_bytes);
+    sm90::bulk_load(img + Im::kQW, P.img + slot_row(j) * Im::kBytes + Im::kQW, qwo_bytes, &qwo_full);
   };
   if (tid == 0) {
     k_full.init(1);
     qwo_full.init(1);
     sm90::fence_barrier_init();
   }
+  if (walk.zero_inputs) {
+    for (uint32_t i = 16 * tid; i < 2 * Im::kOPart; i += 16 * blockDim.x)
+      *reinterpret_cast<uint4*>(img + Im::kO + i) = make_uint4(0, 0, 0, 0);
+    sm90::fence_proxy_async();  // ordinary stores, read by wgmma
+  }
   __syncthreads();
-  if (tid == 0 && nch > 0) {
-    load_k(nch - 1);
-    load_qwo(nch - 1);
+  if (tid == 0 && walk.hi > walk.lo) {  // (a walk of no chunks: an empty sequence's dh0)
+    load_k(walk.hi - 1);
+    load_qwo(walk.hi - 1);
   }
 
   // dS^T from d_final_state (in its dtype: fp32 | bf16 | fp16), element (v, a).
@@ -100,23 +264,36 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   for (int b = 0; b < kB; ++b)
 #pragma unroll
     for (int e = 0; e < 32; ++e)
-      S[b][e] = P.has_d_final_state ? load_as_float(dht.data, dht.dtype, state_off(dht, n, vrow(e), 64 * b + col(e))) : 0.f;
+      switch (walk.init) {
+        case WalkInit::kFinalState:
+          S[b][e] = P.has_d_final_state ? load_as_float(dht.data, dht.dtype, state_off(dht, n, vrow(e), 64 * b + col(e)))
+                                        : 0.f;
+          break;
+        case WalkInit::kIdentity: S[b][e] = vrow(e) == 64 * b + col(e) ? 1.f : 0.f; break;
+        case WalkInit::kSlot:
+          S[b][e] = P.dh_cp[walk.load_slot * D * D + static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)];
+          break;
+        default: S[b][e] = 0.f;
+      }
 
-  for (int64_t j = nch - 1, it = 0; j >= 0; --j, ++it) {
+  for (int64_t j = walk.hi - 1, it = 0; j >= walk.lo; --j, ++it) {
+    const bool own = j < walk.write_hi;  // a warm-up chunk writes nothing
     const uint32_t parity = static_cast<uint32_t>(it & 1);
     const int64_t r = slot_row(j);
     const int64_t rem = si.len - j * kC;
     const int L = static_cast<int>(rem < kC ? rem : kC);
     const float eL = expf(P.cg[r * kC + L - 1]);
-    float* dvg = P.dvn + r * kC * D;  // [64 tokens][D]: dvl in, dV_new out
-    float Vn[32];                      // dV_new^T (64 values x 64 tokens), from dvl^T
+    const float* dvg = P.dvn + r * kC * D;  // [64 tokens][D]: dvl
+    float Vn[32];                            // dV_new^T (64 values x 64 tokens), from dvl^T
 #pragma unroll
-    for (int e = 0; e < 32; ++e) Vn[e] = dvg[col(e) * D + vrow(e)];
-    float* dhg = P.dh + r * D * D;  // [D a][D v]
+    for (int e = 0; e < 32; ++e) Vn[e] = walk.zero_inputs ? 0.f : dvg[col(e) * D + vrow(e)];
+    if (own) {
+      float* dhg = P.dh + r * D * D;  // [D a][D v]
 #pragma unroll
-    for (int b = 0; b < kB; ++b)
+      for (int b = 0; b < kB; ++b)
 #pragma unroll
-      for (int e = 0; e < 32; ++e) dhg[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+        for (int e = 0; e < 32; ++e) dhg[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+    }
 
     // dV_new^T += dS^T K~^T: A = dS^T in registers (k = a), B = K~ ([tokens][a], K-major).
     uint32_t sh[D / 16][4], sl[D / 16][4];  // A fragments of dS^T, formed before the products
@@ -136,9 +313,16 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     sm90::wgmma_wait<0>();
     sm90::fence_regs(Vn);
     __syncthreads();  // both warpgroups are done with K~: the next chunk's may land
-    if (tid == 0 && j > 0) load_k(j - 1);
+    if (tid == 0 && j > walk.lo) load_k(j - 1);
+    if (own && P.precision_high) {  // the split-product kernels read it in fp32
+      float* dvo = P.dvn_out + r * kC * D;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) dvg[col(e) * D + vrow(e)] = Vn[e];
+      for (int e = 0; e < 32; ++e) dvo[col(e) * D + vrow(e)] = Vn[e];
+    } else if (own) {  // the tile kernels stage it in the inputs' type: rounded here once
+      TQ* dvo = reinterpret_cast<TQ*>(P.dvn_out) + r * kC * D;
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dvo[col(e) * D + vrow(e)] = from_float<TQ>(Vn[e]);
+    }
 
     // dS^T <- exp(c_L) dS^T + dO^T Q~ + dV_new^T (-W)
 #pragma unroll
@@ -173,10 +357,17 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
 #pragma unroll
     for (int b = 0; b < kB; ++b) sm90::fence_regs(S[b]);
     __syncthreads();  // both warpgroups are done with QW and dOt
-    if (tid == 0 && j > 0) load_qwo(j - 1);
+    if (tid == 0 && j > walk.lo) load_qwo(j - 1);
   }
 
-  if (P.want_dh0) {  // rounded to dh0's dtype (nearest even)
+  if (walk.store_slot >= 0) {
+    float* dst = P.dh_cp + walk.store_slot * D * D;  // [D a][D v], as dh
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dst[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+  }
+  if (P.want_dh0 && walk.dh0) {  // rounded to dh0's dtype (nearest even)
     int64_t row = n;
     if (P.has_state_indices) row = load_index(P.state_indices, P.idx_dtype, n);
 #pragma unroll
@@ -188,11 +379,28 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   }
 }
 
+// Unsplit: one launch (phase 0). Split: phase 1 (two CTAs a segment: N or the certified walk,
+// and R), the scan, phase 2 (a CTA a segment).
 template <int D, typename TQ>
-void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
+void launch_typed(DimType<D, TQ>, const BwdParams& P0, cudaStream_t s) {
   set_dynamic_smem(dh_kernel<D, TQ>, dh_smem_bytes<D>());
-  dh_kernel<D, TQ><<<dim3(P.N, P.Hv), D * 2, dh_smem_bytes<D>(), s>>>(P);
-  FGDN_CHECK_LAUNCH("bwd dh pass");
+  BwdParams P = P0;
+  if (P.dh_segments <= 1) {
+    P.dh_phase = 0;
+    dh_kernel<D, TQ><<<dim3(P.N, P.Hv, 1), D * 2, dh_smem_bytes<D>(), s>>>(P);
+    FGDN_CHECK_LAUNCH("bwd dh pass");
+    return;
+  }
+  P.dh_phase = 1;
+  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, 2 * P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd dh pass (segments)");
+  constexpr size_t kScanSmem = 2 * D * D * sizeof(float);
+  set_dynamic_smem(dh_scan_kernel<D>, kScanSmem);
+  dh_scan_kernel<D><<<dim3(P.N, P.Hv), 256, kScanSmem, s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd dh scan");
+  P.dh_phase = 2;
+  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd dh pass (exact segments)");
 }
 
 }  // namespace

@@ -53,4 +53,12 @@ __device__ __forceinline__ void put_image_pair(uint8_t* hi, uint32_t part_bytes,
   *reinterpret_cast<__nv_bfloat162*>(hi + part_bytes + off) = l;
 }
 
+// One value x at (row, col) as hi and lo.
+__device__ __forceinline__ void put_image_one(uint8_t* hi, uint32_t part_bytes, int row, int col, float x) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  const uint32_t off = sm90::swizzle128(static_cast<uint32_t>(row), static_cast<uint32_t>(col >> 3)) + (col & 7) * 2;
+  *reinterpret_cast<__nv_bfloat16*>(hi + off) = h;
+  *reinterpret_cast<__nv_bfloat16*>(hi + part_bytes + off) = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
 }  // namespace flashgdn::cuda::bwd

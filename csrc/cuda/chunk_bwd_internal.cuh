@@ -39,6 +39,14 @@ struct BwdParams {
   int32_t has_initial_state, has_state_indices, has_d_final_state, want_dh0;
   int32_t idx_dtype;  // state_indices dtype
   int32_t precision_high;  // precision "high": split products (else the `fast` wgmma kernels)
+  // Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): each (sequence, value head)
+  // chain cut into segments of dh_segment_chunks chunks, one CTA each (dh_segments = the grid's
+  // z extent; 1: no split).
+  int32_t dh_segments;
+  int64_t dh_segment_chunks;
+  int32_t dh_phase;   // set by the dh launcher (chunk_bwd_dh.cu)
+  float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
+  int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
   SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
 
@@ -58,7 +66,7 @@ struct BwdParams {
   // workspace (fp32 unless noted)
   float* qn;    // [num_chunks * 64, Hq, D]  normalised q (or q), slot layout
   float* kn;    // [num_chunks * 64, Hq, D]
-  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (l2norm only)
+  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (applied with l2norm only)
   float* rk;    // [num_chunks * 64, Hq]
   float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
   float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
@@ -67,7 +75,9 @@ struct BwdParams {
   float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
   float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
-  float* dvn;   // [num_chunks * Hv, 64, D]  local dv, then dV_new
+  float* dvn;   // [num_chunks * Hv, 64, D]  local dv (dvl); after the dh pass, dV_new
+  float* dvn_out;  // the dh pass's dV_new (W's buffer, free by then); the launcher swaps it with
+                   // dvn after the pass, so that no CTA's warm-up reads a dvl another overwrote
   float* dqh;   // [num_chunks * Hv, 64, D]  dq per value head (w.r.t. normalised q)
   float* dkh;   // [num_chunks * Hv, 64, D]
   float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
@@ -271,6 +281,7 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
                        void* fwd_workspace, cudaStream_t s);
 void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
+void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
 void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)

@@ -1,6 +1,6 @@
 // Backward, step 1: per-chunk preparation (parallel over chunks and heads).
 //
-//  qk_prep:    qn = q / ||q|| (or q), kn likewise, fp32, in slot layout; rq, rk = 1 / ||x||.
+//  qk_prep:    qn = q / ||q|| (or q), kn likewise, fp32, in slot layout; rq, rk = 1 / ||x|| (always).
 //  chunk_prep: c (in-chunk cumulative sum of the gates floored at -128, common/numerics.h),
 //              A = strict_lower(diag(beta) Kn Kn^T (.) D), T = (I + A)^-1 (fp32 forward
 //              substitution), W = T diag(beta exp(c)) Kn,
@@ -40,16 +40,15 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
       xq[u] = to_float(qi[lane + 32 * u]);
       xk[u] = to_float(ki[lane + 32 * u]);
     }
-    float r_q = 1.f, r_k = 1.f;
-    if (P.l2norm) {
-      r_q = warp_l2norm_rnorm(xq);
-      r_k = warp_l2norm_rnorm(xk);
-      if (lane == 0) P.rq[row] = r_q, P.rk[row] = r_k;
-    }
+    // 1 / ||x|| always (the dh pass's certificate reads ||k|| without the in-kernel norm too);
+    // applied only with it.
+    const float r_q = warp_l2norm_rnorm(xq), r_k = warp_l2norm_rnorm(xk);
+    if (lane == 0) P.rq[row] = r_q, P.rk[row] = r_k;
+    const float s_q = P.l2norm ? r_q : 1.f, s_k = P.l2norm ? r_k : 1.f;
 #pragma unroll
     for (int u = 0; u < D / 32; ++u) {
-      qo[lane + 32 * u] = xq[u] * r_q;
-      ko[lane + 32 * u] = xk[u] * r_k;
+      qo[lane + 32 * u] = xq[u] * s_q;
+      ko[lane + 32 * u] = xk[u] * s_k;
     }
   }
 }

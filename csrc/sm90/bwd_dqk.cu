@@ -75,8 +75,11 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
   const int64_t lds = P.Hq * D;
   const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
   const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
-  tl::Rows16<D> o;
+  tl::Rows16<D> o, vr, dvr;
   tl::load_rows16<D>(static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h), P.d_o.s1, len, o, tid);
+  // V_new (prep) and dV_new (the dh pass) arrive in the inputs' type below `high`.
+  tl::load_rows16<D>(reinterpret_cast<const TQ*>(P.vn) + r * kC * D, D, len, vr, tid);
+  tl::load_rows16<D>(reinterpret_cast<const TQ*>(P.dvn) + r * kC * D, D, len, dvr, tid);
   constexpr uint32_t kTD = D * 128;  // bytes of a D-row tile
   uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
   uint8_t* dhs = reinterpret_cast<uint8_t*>(S.dh);
@@ -84,16 +87,14 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
   const float* dhg = P.dh + r * D * D;
   // Pieces of 64 rows; the states' 64-row blocks alternate S0, dS, so that a block of each is
   // in registers at once for <dS, S0>.
-  constexpr int kPieces = 4 + 2 * kB;
+  constexpr int kPieces = 2 + 2 * kB;
   const auto piece = [&](int i) -> tl::PieceSrc {
     switch (i) {
-      case 0: return {P.vn + r * kC * D, D, reinterpret_cast<uint8_t*>(S.vn), tl::kTile64};
-      case 1: return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-      case 2: return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
-      case 3: return {P.dvn + r * kC * D, D, reinterpret_cast<uint8_t*>(S.dvn), tl::kTile64};
+      case 0: return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+      case 1: return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
       default: {
-        const int b = (i - 4) / 2;
-        return (i - 4) % 2 == 0 ? tl::PieceSrc{hg + 64 * b * D, D, hs + 64 * b * 128, kTD}
+        const int b = (i - 2) / 2;
+        return (i - 2) % 2 == 0 ? tl::PieceSrc{hg + 64 * b * D, D, hs + 64 * b * 128, kTD}
                                 : tl::PieceSrc{dhg + 64 * b * D, D, dhs + 64 * b * 128, kTD};
       }
     }
@@ -101,11 +102,13 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
   tl::Piece<D> cur, nxt;
   tl::load_piece<D>(piece(0), cur, tid);
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.d_o), o, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.vn), vr, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dvn), dvr, tid);
   float frob = 0.f;
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
-    if (i >= 4 && (i - 4) % 2 == 0) frob += dot_pieces<D>(cur, nxt);  // S0 block . dS block
+    if (i >= 2 && i % 2 == 0) frob += dot_pieces<D>(cur, nxt);  // S0 block . dS block
     tl::store_piece<D, TQ>(piece(i), cur, tid);
     cur = nxt;
   }
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
     tl::begin_products();
     tl::product_ss<TQ, D, D, 0>(dk, S.dvn, S.h, false);
     tl::finish(dk);
-    store_rows(P.W + r * kC * D, dk, -1.f);
+    tl::store_acc16<TQ>(ac, reinterpret_cast<TQ*>(P.W) + r * kC * D, D, dk, -1.f);  // dW, 16-bit for wy
   }
   __syncthreads();
 

@@ -201,6 +201,19 @@ __device__ __forceinline__ float2 get2(const uint8_t* tiles, int row, int col) {
                                                       swizzle128(row, (col & 63) >> 3) + (col & 7) * 2));
 }
 
+// A 64 x (64 kB) accumulator, times sign, into a [64][ld] row-major block of 16-bit T (pairs
+// rounded as store_piece rounds: a consumer staging it gets the bits it would have converted).
+template <typename T, int kB>
+__device__ __forceinline__ void store_acc16(const AccCoord& c, T* dst, int ld, const float (&acc)[kB][32],
+                                            float sign = 1.f) {
+#pragma unroll
+  for (int b = 0; b < kB; ++b)
+#pragma unroll
+    for (int e = 0; e < 32; e += 2)
+      *reinterpret_cast<uint32_t*>(dst + c.row(e) * ld + 64 * b + c.col(e)) =
+          cuda::pack2<T>(sign * acc[b][e], sign * acc[b][e + 1]);
+}
+
 // ---- reductions over an accumulator (fixed shuffle trees: bitwise reproducible) -------------
 // Per row i of a 64 x 64 block: sum over the quad of the thread's two rows; lane q = 0 gets it.
 __device__ __forceinline__ void quad_sum(float (&s)[2]) {

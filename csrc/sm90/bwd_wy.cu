@@ -87,17 +87,18 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
   const int64_t lds = P.Hq * D;
   const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
   const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
-  float* dwg = P.W + r * kC * D;
-  const float* dug = P.dvn + r * kC * D;
-  tl::Rows16<D> vr;
+  // dU (dV_new, the dh pass) and dW (dqk) arrive in the inputs' type below `high`.
+  const TQ* dwg = reinterpret_cast<const TQ*>(P.W) + r * kC * D;
+  const TQ* dug = reinterpret_cast<const TQ*>(P.dvn) + r * kC * D;
+  tl::Rows16<D> vr, dur, dwr;
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
+  tl::load_rows16<D>(dug, D, len, dur, tid);
+  tl::load_rows16<D>(dwg, D, len, dwr, tid);
   tl::Piece<64> tp;
   tl::load_piece<64>({P.Tm + r * kC * kC, kC, nullptr, 0}, tp, tid);
-  const tl::PieceSrc du{dug, D, reinterpret_cast<uint8_t*>(S.du), tl::kTile64};
-  const tl::PieceSrc dw{dwg, D, reinterpret_cast<uint8_t*>(S.dw), tl::kTile64};
   const tl::PieceSrc kp{kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-  tl::Piece<D> a, b;
-  tl::load_piece<D>(du, a, tid);
+  tl::Piece<D> a;
+  tl::load_piece<D>(kp, a, tid);
   tl::store_piece<64, TQ>({nullptr, 0, reinterpret_cast<uint8_t*>(S.tn), tl::kTile64}, tp, tid);
 #pragma unroll
   for (int it = 0; it < tl::Items<64>::kCount; ++it) {  // T^T: T[j][k] at row k, column j
@@ -107,10 +108,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tt), tl::kTile64, k0 + k, j, x[k]);
   }
-  tl::load_piece<D>(dw, b, tid);
-  tl::store_piece<D, TQ>(du, a, tid);
-  tl::load_piece<D>(kp, a, tid);
-  tl::store_piece<D, TQ>(dw, b, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.du), dur, tid);
+  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dw), dwr, tid);
   tl::store_piece<D, TQ>(kp, a, tid);
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
   sm90::fence_proxy_async();  // the tiles, written by ordinary stores, are read by wgmma

@@ -96,4 +96,43 @@ __device__ __forceinline__ void merge_block_pair(Smem& sm, int w, int lane) {
   store_tf32_tiles<kLdF>(&sm.tf[r1][r0], y, -1.f, lane);
 }
 
+// The whole T = (I + A)^-1, for the backward's chunk preparation (every block of T feeds W and
+// U there). sm.af holds A, strictly lower with zeros on and above the diagonal; sm.tf is zero.
+// Steps 1 and 2 as above (the diagonal blocks read from sm.af), then the lower left block:
+//
+//   3. warps 2 and 3:  X_w = A_w,L T_LL                 into A's upper right block (rows 16 w - 32)
+//                      T_w,L = -T_w,H X                 (T_w,H: the warp's rows of T_HH)
+//
+// the block form T_HL = -T_HH A_HL T_LL. Every step on the warpgroup's four warps; `sync`
+// is the warpgroup's barrier and separates the steps (the last included: T is whole on return).
+template <bool kSplit, class Smem, class Sync>
+__device__ __forceinline__ void invert_chunk(Smem& sm, int w, int lane, const Sync& sync) {
+  const int g = lane >> 2, q = lane & 3;
+  float a[2][2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 x = *reinterpret_cast<const float2*>(&sm.af[16 * w + g + 8 * h][16 * w + 8 * nt + 2 * q]);
+      a[nt][h][0] = x.x;
+      a[nt][h][1] = x.y;
+    }
+  invert_diagonal_block(sm, a, w, lane);
+  sync();
+  if (w & 1) merge_block_pair<kSplit>(sm, w, lane);
+  sync();
+  if (w >= 2) {
+    float x[4][4] = {};
+    mma_tf32_tiles<kLdF, 4, 4, 0, kSplit>(x, &sm.af[16 * w][0], &sm.tf[0][0], lane);
+    store_tf32_tiles<kLdF, 4>(&sm.af[16 * w - 32][32], x, 1.f, lane);
+  }
+  sync();
+  if (w >= 2) {
+    float y[4][4] = {};
+    mma_tf32_tiles<kLdF, 4, 4, kNotLower, kSplit>(y, &sm.tf[16 * w][32], &sm.af[0][32], lane);
+    store_tf32_tiles<kLdF, 4>(&sm.tf[16 * w][0], y, -1.f, lane);
+  }
+  sync();
+}
+
 }  // namespace flashgdn::sm90

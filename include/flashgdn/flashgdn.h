@@ -173,9 +173,15 @@ typedef struct fgdn_bwd_args {
   fgdn_tensor ddt_bias;      /* [Hv] fp32, required iff gate_in_kernel and dt_bias given */
   fgdn_tensor dh0;           /* [N, Hv, K, V] fp32 | bf16 | fp16 (autograd: the dtype of
                                 initial_state), optional (only with initial_state) */
-  /* Last, so that the fields before it keep their offsets for callers built before it (a
-     zero-initialised struct asks for FGDN_PRECISION_DEFAULT). */
+  /* Last, so that the fields before them keep their offsets for callers built before them (a
+     zero-initialised struct asks for FGDN_PRECISION_DEFAULT and FGDN_CONTEXT_PARALLEL_AUTO). */
   int32_t precision; /* fgdn_precision: the CUDA backward's arithmetic (as the forward's) */
+  /* The reverse state-gradient pass of the CUDA backward split into segments, as the forward's
+     (docs/context-parallel.md, the backward): OFF keeps one CTA per (sequence, value head) and
+     a sequence's bits independent of the other sequences; a fixed cp_segment keeps them
+     independent too. Autograd passes the forward call's values. */
+  int32_t context_parallel; /* fgdn_context_parallel */
+  int64_t cp_segment;       /* tokens per segment, 0 or a positive multiple of 64 (0: chosen) */
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as

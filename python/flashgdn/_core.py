@@ -444,6 +444,8 @@ def chunk_gated_delta_rule_bwd(
     ddt_bias: Optional[torch.Tensor] = None,
     check_inputs: bool = False,
     precision: str = "default",
+    context_parallel: Optional[bool] = None,
+    cp_segment: int = 0,
 ) -> GDNGrads:
     """Backward pass, no autograd (recomputes the forward from the inputs).
 
@@ -458,7 +460,10 @@ def chunk_gated_delta_rule_bwd(
     arithmetic, as the forward's: ``"high"`` splits the computed operands, the backward at the
     rounding floor; ``"default"`` and ``"fast"`` take single 16-bit products with float32
     accumulation in its per-chunk gradient steps, the other steps still split; the CPU backend
-    computes in float32 always; docs/api.md). Nothing is written when an argument is rejected
+    computes in float32 always; docs/api.md). ``context_parallel`` and ``cp_segment``: the CUDA
+    backward's reverse state-gradient pass split into segments, as the forward's (None:
+    automatic; False: one CTA per sequence and head, a sequence's bits independent of the other
+    sequences; docs/context-parallel.md). Nothing is written when an argument is rejected
     (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
@@ -499,6 +504,8 @@ def chunk_gated_delta_rule_bwd(
         ddt_bias=_desc("ddt_bias", ddt_bias) if gate and dt_bias is not None else None,
         dh0=_state_desc("dh0", dh0) if need_dh0 else None,
         precision=precision,
+        context_parallel=_context_parallel(context_parallel),
+        cp_segment=_index("cp_segment", cp_segment, lo=0),
     )
     _launch(_C.backward, _C.backward_workspace_size, kw, q.device)
     return GDNGrads(

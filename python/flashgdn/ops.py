@@ -98,7 +98,7 @@ def _bwd_op(
     initial_state: Optional[Tensor], state_indices: Optional[Tensor],
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, do: Tensor, dht: Optional[Tensor], need_dh0: bool, check_inputs: bool,
-    precision: str = "default",
+    precision: str = "default", context_parallel: Optional[bool] = None, cp_segment: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     gr = _core.chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
@@ -106,6 +106,7 @@ def _bwd_op(
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
         need_dh0=need_dh0, check_inputs=check_inputs, precision=precision,
+        context_parallel=context_parallel, cp_segment=cp_segment,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -117,7 +118,7 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              do, dht, need_dh0, check_inputs, precision="default"):
+              do, dht, need_dh0, check_inputs, precision="default", context_parallel=None, cp_segment=0):
     c = torch.contiguous_format
     dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
           if use_gate_in_kernel and A_log is not None else _empty(q))
@@ -139,17 +140,18 @@ _N_FWD_ARGS = 22
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
-     precision, _final_state_dtype, _context_parallel, _cp_segment) = inputs
+     precision, _final_state_dtype, context_parallel, cp_segment) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices)
-    ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision)  # the backward's too
+    # the backward's too: its arithmetic and its reverse pass's context parallelism
+    ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
     ctx.mark_non_differentiable(output[2])  # checkpoints are not differentiable
 
 
 def _backward(ctx, do, dht, _dckpt):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
      state_indices) = ctx.saved_tensors
-    scale, l2norm, gate, v_first, check_inputs, precision = ctx.flags
+    scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
     if do is None:
@@ -161,7 +163,7 @@ def _backward(ctx, do, dht, _dckpt):
     need_dh0 = initial_state is not None and bool(need[9])
     dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision)
+        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision, context_parallel, cp_segment)
     grads = (dq, dk, dv, dg, dbeta,
              dA if gate and A_log is not None else None,
              ddt if gate and dt_bias is not None else None,

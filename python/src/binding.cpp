@@ -212,6 +212,8 @@ fgdn_bwd_args parse_bwd(Kwargs& kw) {
   a.ddt_bias = kw.tensor("ddt_bias");
   a.dh0 = kw.tensor("dh0");
   a.precision = static_cast<int32_t>(kw.integer("precision"));
+  a.context_parallel = static_cast<int32_t>(kw.integer("context_parallel"));
+  a.cp_segment = kw.integer("cp_segment");
   return a;
 }
 
@@ -446,8 +448,9 @@ NB_MODULE(_C, m) {
       "backward",
       [](nb::kwargs kwargs) { launch("backward", std::move(kwargs), parse_bwd, fgdn_backward); },
       "backward(<inputs as forward>, d_o=, d_final_state=, dq=, dk=, dv=, dg=, dbeta=, dA_log=,\n"
-      "         ddt_bias=, dh0=, precision=, workspace=, workspace_bytes=, stream=): fgdn_backward;\n"
-      "         precision as forward's (the CUDA backward's arithmetic).");
+      "         ddt_bias=, dh0=, precision=, context_parallel=, cp_segment=, workspace=,\n"
+      "         workspace_bytes=, stream=): fgdn_backward; precision, context_parallel and cp_segment\n"
+      "         as forward's (the CUDA backward's arithmetic and reverse pass).");
 
   m.def("reference_forward", &reference_forward,
         "reference_forward(B=, T=, Hq=, Hv=, K=, V=, q=, k=, v=, g=, beta=, [cu_seqlens=, scale=,\n"

@@ -232,6 +232,15 @@ std::vector<Case> cases() {
        "got 7"});
   bwd("precision_negative_backward", [](Fixture& f) { f.ba.precision = -1; },
       {"'precision'", "FGDN_PRECISION_HIGH (2)", "got -1"});
+  // The backward's context parallelism (its reverse pass), validated as the forward's.
+  bwd("context_parallel_unknown_backward", [](Fixture& f) { f.ba.context_parallel = 3; },
+      {"'context_parallel'", "FGDN_CONTEXT_PARALLEL_ON (2)", "got 3"});
+  bwd("cp_segment_not_64_backward", [](Fixture& f) { f.ba.cp_segment = 100; },
+      {"'cp_segment'", "0 or a positive multiple of 64", "100"});
+  bwd("cp_segment_negative_backward", [](Fixture& f) { f.ba.cp_segment = -64; },
+      {"'cp_segment'", "0 or a positive multiple of 64", "-64"});
+  fwd("context_parallel_unknown", [](Fixture& f) { f.fa.context_parallel = -1; },
+      {"'context_parallel'", "FGDN_CONTEXT_PARALLEL_AUTO (0)", "got -1"});
   return c;
 }
 
@@ -267,6 +276,16 @@ TEST(ValidationApi, ValidCallsSucceedAndWrite) {
   EXPECT_STREQ(fgdn_last_error(), "");
 }
 
+// Every gradient of f's backward equal, bit for bit, to ref's.
+void expect_same_gradients(const Fixture& f, const Fixture& ref, const std::string& what) {
+  EXPECT_EQ(f.dq, ref.dq) << what;
+  EXPECT_EQ(f.dk, ref.dk) << what;
+  EXPECT_EQ(f.dv, ref.dv) << what;
+  EXPECT_EQ(f.dg, ref.dg) << what;
+  EXPECT_EQ(f.dbeta, ref.dbeta) << what;
+  EXPECT_EQ(f.dh0, ref.dh0) << what;
+}
+
 // Every precision level is a valid backward; the CPU backend computes in float32 whatever the
 // level, so each writes the same gradients, bit for bit.
 TEST(ValidationApi, BackwardTakesEveryPrecisionLevel) {
@@ -280,12 +299,22 @@ TEST(ValidationApi, BackwardTakesEveryPrecisionLevel) {
     ASSERT_EQ(fgdn_backward_workspace_size(&f.ba, &bytes), FGDN_SUCCESS) << fgdn_last_error();
     EXPECT_EQ(bytes, 0u);
     ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
-    EXPECT_EQ(f.dq, ref.dq) << "precision " << level;
-    EXPECT_EQ(f.dk, ref.dk) << "precision " << level;
-    EXPECT_EQ(f.dv, ref.dv) << "precision " << level;
-    EXPECT_EQ(f.dg, ref.dg) << "precision " << level;
-    EXPECT_EQ(f.dbeta, ref.dbeta) << "precision " << level;
-    EXPECT_EQ(f.dh0, ref.dh0) << "precision " << level;
+    expect_same_gradients(f, ref, "precision " + std::to_string(level));
+  }
+}
+
+// Every context parallelism setting is a valid backward; the CPU backend has no reverse pass to
+// split, so each writes the same gradients, bit for bit.
+TEST(ValidationApi, BackwardTakesEveryContextParallelSetting) {
+  Fixture ref;
+  ASSERT_EQ(ref.ba.context_parallel, FGDN_CONTEXT_PARALLEL_AUTO);  // zero-initialised: automatic
+  ASSERT_EQ(fgdn_backward(&ref.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+  for (int32_t cp : {FGDN_CONTEXT_PARALLEL_OFF, FGDN_CONTEXT_PARALLEL_ON}) {
+    Fixture f;
+    f.ba.context_parallel = cp;
+    f.ba.cp_segment = cp == FGDN_CONTEXT_PARALLEL_ON ? 64 : 0;
+    ASSERT_EQ(fgdn_backward(&f.ba, nullptr, 0, nullptr), FGDN_SUCCESS) << fgdn_last_error();
+    expect_same_gradients(f, ref, "context_parallel " + std::to_string(cp));
   }
 }
 

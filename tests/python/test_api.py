@@ -650,6 +650,27 @@ def test_backward_precision_keyword():
         assert torch.all(dq == 7.0) and torch.all(dh0 == 7.0)
 
 
+def test_backward_context_parallel_keyword():
+    """context_parallel and cp_segment split the CUDA backward's reverse pass as the forward's;
+    the CPU backend takes every setting (the same gradients: it has no pass to split) and refuses
+    anything else, naming the argument and writing nothing."""
+    c = make_case(B=1, T=130, Hq=1, Hv=2, K=32, V=32, dtype=torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    do = torch.randn(c.v.shape, generator=gen).to(c.q.dtype)
+    dht = torch.randn(c.initial_state.shape, generator=gen)
+    kw = c.lowlevel_kwargs()
+    ref = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw)
+    for cp, seg in ((False, 0), (True, 64), (None, 128)):
+        gr = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=cp, cp_segment=seg)
+        for name, a, b in zip(gr._fields, ref, gr):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, cp, seg)
+    for bad in ({"context_parallel": "yes"}, {"cp_segment": 100}, {"cp_segment": -64}):
+        dq = torch.full_like(c.q, 7.0)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, dq=dq, **bad)
+        assert torch.all(dq == 7.0)
+
+
 def test_backward_precision_in_the_binding():
     """The C ABI's fgdn_bwd_args.precision through the binding: a code other than 0, 1 or 2 is
     refused by the library's validation with the forward's wording, before anything is written;
