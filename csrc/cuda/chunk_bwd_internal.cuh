@@ -239,6 +239,11 @@ __device__ __forceinline__ T& dynamic_smem_1024() {
   extern __shared__ uint8_t bwd_dynamic_smem[];
   return *reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(bwd_dynamic_smem) + 1023) & ~uintptr_t{1023});
 }
+// The dynamic shared memory a launch asks for to hold T there.
+template <class T>
+constexpr size_t dynamic_smem_1024_bytes() {
+  return sizeof(T) + 1024;
+}
 
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
 template <int D_, typename TQ_>

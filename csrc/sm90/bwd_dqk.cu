@@ -39,11 +39,6 @@ struct DqkSmem {
   T dh[kB][D][64];    // dS   [a][v]: B of dk_inter
 };
 
-template <int D>
-constexpr size_t dqk_smem_bytes() {
-  return sizeof(DqkSmem<D, __nv_bfloat16>) + 1024;
-}
-
 // sum over the thread's items of x (.) y: its part of <dS, S0> (fixed order)
 template <int D>
 __device__ __forceinline__ float dot_pieces(const tl::Piece<D>& x, const tl::Piece<D>& y) {
@@ -209,7 +204,9 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
 void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s) {
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    launch_per_chunk(dqk_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dqk_smem_bytes<C::D>(), P, s, "bwd dqk (sm90)");
+    using Smem = DqkSmem<C::D, typename C::TQ>;
+    launch_per_chunk(dqk_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
+                     "bwd dqk (sm90)");
   });
 }
 

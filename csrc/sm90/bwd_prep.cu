@@ -82,11 +82,6 @@ struct PrepSmem {
   } u;
 };
 
-template <int D>
-constexpr size_t prep_smem_bytes() {
-  return sizeof(PrepSmem<D, __nv_bfloat16>) + 1024;
-}
-
 // Barriers beside __syncthreads (id 0), each within one warpgroup.
 enum class PrepBarrier : uint32_t { kWg0 = 1, kWg1 = 2 };
 
@@ -323,7 +318,8 @@ void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s) {
   launch_bwd_qk_prep(P, s);
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    launch_per_chunk(prep_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, prep_smem_bytes<C::D>(), P, s,
+    using Smem = PrepSmem<C::D, typename C::TQ>;
+    launch_per_chunk(prep_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
                      "bwd prep (sm90)");
   });
 }

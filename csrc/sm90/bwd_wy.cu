@@ -39,11 +39,6 @@ struct WySmem {
   float dk[64][D];     // dk from dqk (fp32), copied in at the start: added to at the end
 };
 
-template <int D>
-constexpr size_t wy_smem_bytes() {
-  return sizeof(WySmem<D, __nv_bfloat16>) + 1024;
-}
-
 // Barriers beside __syncthreads (id 0): M written (both warpgroups), E^T written (warpgroup 1).
 enum class WyBarrier : uint32_t { kM = 1, kE = 2 };
 
@@ -223,7 +218,9 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
 void launch_bwd_wy_sm90(const BwdParams& P, cudaStream_t s) {
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    launch_per_chunk(wy_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, wy_smem_bytes<C::D>(), P, s, "bwd wy (sm90)");
+    using Smem = WySmem<C::D, typename C::TQ>;
+    launch_per_chunk(wy_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
+                     "bwd wy (sm90)");
   });
 }
 
