@@ -6,13 +6,18 @@
 #                                         fuzz, sanitize-fuzz and bwd run only when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
-# stable ABI). Without them it builds here. Logs and the table go to $OUT (or /tmp/flashgdn-gpu).
+# stable ABI). Without them it builds here. Into $OUT (or /tmp/flashgdn-gpu) go three files,
+# rewritten after every step so that a call cut short still returns what ran: summary.md (the
+# table, also printed line by line as the steps end), gpu.txt (the GPU, and the tree tested: the
+# hash `git write-tree` gives for the working tree, which `git rev-parse <commit>^{tree}` matches
+# here), and logs.tar.gz (every log).
 # FLA for the tests that route FLA's chunk_gated_delta_rule to flashgdn (the device has no package
 # registry): carry .whl/fla, made by scripts/fetch_fla_wheel.sh; without it those tests skip.
 # PYTEST_STOP= (empty) runs the whole Python GPU suite past a failure (default -x: stop at the first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashgdn-gpu}
+LOG=$(mktemp -d /tmp/flashgdn-gpu-logs.XXXXXX)
 mkdir -p "$OUT"
 STEPS=${1:-build,ctest,pytest,sanitize,time}
 BUILD=${FLASHGDN_BUILD:-build-gpu}
@@ -20,29 +25,43 @@ BUILD=${FLASHGDN_BUILD:-build-gpu}
 export LD_LIBRARY_PATH=$PWD/$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 PY=${PYTHON:-python3}
 declare -a SUMMARY
-note() { SUMMARY+=("| $1 | $2 |"); }
+bundle() {
+  { echo "| step | result |"; echo "|---|---|"; printf '%s\n' "${SUMMARY[@]}"; } >"$OUT/summary.md"
+  cp "$LOG/gpu.txt" "$OUT/gpu.txt" 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" -C "$LOG" . 2>/dev/null
+}
+note() { SUMMARY+=("| $1 | $2 |"); echo "| $1 | $2 |"; bundle; }
+# The working tree's hash (ignored files left out), from a scratch index: the device's copy of the
+# tree sits on whatever commit its .git has, so HEAD alone does not name what was tested.
+tree_id() {
+  local idx
+  idx=$(mktemp) && cp .git/index "$idx" 2>/dev/null &&
+    GIT_INDEX_FILE=$idx git add -A >/dev/null 2>&1 && GIT_INDEX_FILE=$idx git write-tree 2>/dev/null
+  rm -f "$idx"
+}
 # Small shapes that together reach every kernel and path: varlen with empty and one-token
 # sequences, GVA, pools with a negative index, V-major states, checkpoints, l2norm, gate in kernel.
 DEFAULT_SANITIZE='Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:Cuda*state_indices*:Cuda*checkpoints_64*'
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "commit ${FLASHGDN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(date -u +%F)" | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG/gpu.txt"
+echo "commit ${FLASHGDN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} tree $(tree_id || echo unknown) $(date -u +%F)" | tee -a "$LOG/gpu.txt"
+bundle
 
 # A build left by an earlier call on a warm machine (same source path) is brought up to date, so
 # that no step tests the previous call's tree; a build carried from elsewhere is used as it is.
 if has build && { [ ! -x "$BUILD/flashgdn_tests" ] ||
   grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$PWD" "$BUILD/CMakeCache.txt" 2>/dev/null; }; then
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-    cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$LOG/build.log" 2>&1 &&
+    cmake --build "$BUILD" -j "$(nproc)" >>"$LOG/build.log" 2>&1 || { tail -30 "$LOG/build.log"; exit 1; }
 fi
 
 if has ctest; then
   t0=$SECONDS
-  "$BUILD/flashgdn_tests" --gtest_brief=1 >"$OUT/ctest.log" 2>&1
+  "$BUILD/flashgdn_tests" --gtest_brief=1 >"$LOG/ctest.log" 2>&1
   rc=$?
-  tail -5 "$OUT/ctest.log"
-  note "C++ tests (all, GPU included)" "$([ $rc -eq 0 ] && echo pass || echo FAIL) ($(grep -c '^\[  FAILED' "$OUT/ctest.log") failed lines, $((SECONDS - t0)) s)"
+  tail -5 "$LOG/ctest.log"
+  note "C++ tests (all, GPU included)" "$([ $rc -eq 0 ] && echo pass || echo FAIL) ($(grep -c '^\[  FAILED' "$LOG/ctest.log") failed lines, $((SECONDS - t0)) s)"
 fi
 
 if has pytest; then
@@ -57,29 +76,29 @@ if has pytest; then
     fla_note="no $FLA_DIR (bash scripts/fetch_fla_wheel.sh, then carry .whl/fla): the FLA routing"
     fla_note+=" tests skip unless FLA is installed"
   fi
-  echo "FLA: $fla_note" | tee -a "$OUT/gpu.txt"
+  echo "FLA: $fla_note" | tee -a "$LOG/gpu.txt"
   note "FLA for the routing tests" "$fla_note"
   if ls dist/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
   else
-    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
   fi
   PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
   t0=$SECONDS
-  FLASHGDN_ERROR_LOG="$OUT/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider \
-    >"$OUT/pytest.log" 2>&1
+  FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider \
+    >"$LOG/pytest.log" 2>&1
   rc=$?
-  tail -15 "$OUT/pytest.log"
-  note "Python GPU tests" "$(tail -1 "$OUT/pytest.log" | tr -d '=') ($((SECONDS - t0)) s)"
+  tail -15 "$LOG/pytest.log"
+  note "Python GPU tests" "$(tail -1 "$LOG/pytest.log" | tr -d '=') ($((SECONDS - t0)) s)"
 fi
 
 if has sanitize; then
   for tool in memcheck racecheck synccheck initcheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
       "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-$DEFAULT_SANITIZE}" \
-      >"$OUT/sanitize-$tool.log" 2>&1
+      >"$LOG/sanitize-$tool.log" 2>&1
     rc=$?
-    note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize-$tool.log" || echo 'no summary'))"
+    note "compute-sanitizer $tool" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$LOG/sanitize-$tool.log" || echo 'no summary'))"
   done
 fi
 
@@ -87,10 +106,10 @@ if has time; then
   # Forward and forward+backward at (16, 64) and (2, 8), T = 32768: the peer benchmark's cells,
   # flashgdn alone (bench/run.py compares it with the peers when they are installed).
   $PY bench/run.py --full --configs 16/64,2/8 --layouts 1x32768 --modes fwd,fwdbwd \
-    --contenders flashgdn --no-check --commit "${FLASHGDN_COMMIT:-unknown}" --out "$OUT/timing" \
-    >"$OUT/timing.log" 2>&1
-  grep -E '^(fwd|bwd)' "$OUT/timing.log" | tail -8
-  $PY bench/profile_kernels.py --out "$OUT/kernels.md" >/dev/null 2>&1 || echo "kernel profile failed"
+    --contenders flashgdn --no-check --commit "${FLASHGDN_COMMIT:-unknown}" --out "$LOG/timing" \
+    >"$LOG/timing.log" 2>&1
+  grep -E '^(fwd|bwd)' "$LOG/timing.log" | tail -8
+  $PY bench/profile_kernels.py --out "$LOG/kernels.md" >/dev/null 2>&1 || echo "kernel profile failed"
 fi
 
 if has sanitize-fuzz; then
@@ -101,16 +120,16 @@ if has sanitize-fuzz; then
   # (fwd_row_norms.cuh, bench/results/h100-2026-11-27/reliability.md). Not in the default steps.
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   [ -n "${PKG_INSTALLED:-}" ] ||
-    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
   PKG_INSTALLED=1
   SF_SEED=${FUZZ_SEED:-$RANDOM}
   for tool in memcheck racecheck initcheck; do
     t0=$SECONDS
     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 --kernel-name kns=flashgdn \
       $PY tests/python/gdn_fuzz.py --device cuda --cases "${SANITIZE_FUZZ_CASES:-40}" --seed "$SF_SEED" \
-      --max-tokens 130 >"$OUT/sanitize-fuzz-$tool.log" 2>&1
+      --max-tokens 130 >"$LOG/sanitize-fuzz-$tool.log" 2>&1
     rc=$?
-    note "compute-sanitizer $tool on fuzzed calls (seed $SF_SEED)" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize-fuzz-$tool.log" || echo 'no summary'); $(grep -m1 '^fuzz on' "$OUT/sanitize-fuzz-$tool.log" || echo 'no fuzz summary'); $((SECONDS - t0)) s)"
+    note "compute-sanitizer $tool on fuzzed calls (seed $SF_SEED)" "$([ $rc -eq 0 ] && echo clean || echo "FAIL rc=$rc") ($(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$LOG/sanitize-fuzz-$tool.log" || echo 'no summary'); $(grep -m1 '^fuzz on' "$LOG/sanitize-fuzz-$tool.log" || echo 'no fuzz summary'); $((SECONDS - t0)) s)"
   done
 fi
 
@@ -124,51 +143,51 @@ if has fuzz; then
     if ls dist/*.whl >/dev/null 2>&1; then
       $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
     else
-      $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$OUT/pip.log" 2>&1
+      $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
     fi
   fi
   FUZZ_SEED=${FUZZ_SEED:-$RANDOM}
   t0=$SECONDS
   $PY tests/python/gdn_fuzz.py --device cuda --cases "${FUZZ_CASES:-1500}" --seed "$FUZZ_SEED" \
-    --max-tokens "${FUZZ_MAX_TOKENS:-300}" --json "$OUT/fuzz.json" >"$OUT/fuzz.log" 2>&1
+    --max-tokens "${FUZZ_MAX_TOKENS:-300}" --json "$LOG/fuzz.json" >"$LOG/fuzz.log" 2>&1
   rc=$?
-  grep -v '^\[err\]' "$OUT/fuzz.log" | grep -v '^cases per class' | tail -20
-  note "fuzz (CUDA vs the oracle, seed $FUZZ_SEED)" "$(grep -m1 '^fuzz on' "$OUT/fuzz.log" || echo "rc=$rc, no summary") ($((SECONDS - t0)) s)"
+  grep -v '^\[err\]' "$LOG/fuzz.log" | grep -v '^cases per class' | tail -20
+  note "fuzz (CUDA vs the oracle, seed $FUZZ_SEED)" "$(grep -m1 '^fuzz on' "$LOG/fuzz.log" || echo "rc=$rc, no summary") ($((SECONDS - t0)) s)"
 fi
 
 if has bwd; then
   # The backward's development loop (issue 36), one call: its C++ tests, its errors at the default
   # level and at high (16/64, T = 2048), its times at 16/64 and 2/8 1x32768 at both levels, and
-  # Nsight Compute's time per kernel of one 16/64 fwd+bwd (when ncu is there). Logs: $OUT/bwd-*.
+  # Nsight Compute's time per kernel of one 16/64 fwd+bwd (when ncu is there). Logs: bwd-* in logs.tar.gz.
   t0=$SECONDS
-  "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter='*Backward*:GateReset*' >"$OUT/bwd-tests.log" 2>&1
-  note "backward tests (C++)" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/bwd-tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
+  "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter='*Backward*:GateReset*' >"$LOG/bwd-tests.log" 2>&1
+  note "backward tests (C++)" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$LOG/bwd-tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
   for pr in default high; do
     "$BUILD/flashgdn_run" --device cuda --T 2048 --Hq 16 --Hv 64 --backward 1 --check 1 --precision $pr \
-      >"$OUT/bwd-errors-$pr.log" 2>&1
-    note "backward errors, $pr (16/64, T 2048)" "$(grep -E '^\| d' "$OUT/bwd-errors-$pr.log" | tr -s ' ' | tr '\n' ' ')"
+      >"$LOG/bwd-errors-$pr.log" 2>&1
+    note "backward errors, $pr (16/64, T 2048)" "$(grep -E '^\| d' "$LOG/bwd-errors-$pr.log" | tr -s ' ' | tr '\n' ' ')"
     for heads in 16/64 2/8; do
       "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq "${heads%/*}" --Hv "${heads#*/}" --backward 1 --check 0 \
-        --iters 7 --precision $pr >"$OUT/bwd-time-$pr-${heads/\//-}.log" 2>&1
-      note "backward ms, $pr ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-$pr-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
+        --iters 7 --precision $pr >"$LOG/bwd-time-$pr-${heads/\//-}.log" 2>&1
+      note "backward ms, $pr ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$LOG/bwd-time-$pr-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
     done
   done
   # The reverse pass unsplit (--cp off) beside the rows above (automatic): what its context
   # parallelism gives, on the same machine.
   for heads in 16/64 2/8; do
     "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq "${heads%/*}" --Hv "${heads#*/}" --backward 1 --check 0 \
-      --iters 7 --cp off >"$OUT/bwd-time-cpoff-${heads/\//-}.log" 2>&1
-    note "backward ms, default, CP off ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$OUT/bwd-time-cpoff-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
+      --iters 7 --cp off >"$LOG/bwd-time-cpoff-${heads/\//-}.log" 2>&1
+    note "backward ms, default, CP off ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$LOG/bwd-time-cpoff-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
   done
   if command -v ncu >/dev/null; then
     ncu --metrics gpu__time_duration.sum \
       "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 --check 0 --iters 1 \
-      >"$OUT/bwd-kernels.log" 2>&1
+      >"$LOG/bwd-kernels.log" 2>&1
     # Every kernel of the run, the forward's included; the backward's are the *_kernel names.
     note "kernels, ms (16/64 1x32768 fwd+bwd, Nsight)" "$(awk '/Context [0-9]+, Stream/ {
         k = "?"; if (match($0, /[A-Za-z0-9_]+_kernel(<[^>]*>)?/)) k = substr($0, RSTART, RLENGTH) }
       /gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "us") v = v / 1000; printf "%s %.2f; ", k, v }' \
-      "$OUT/bwd-kernels.log")"
+      "$LOG/bwd-kernels.log")"
   fi
 fi
 
@@ -176,5 +195,6 @@ echo
 echo "| step | result |"
 echo "|---|---|"
 printf '%s\n' "${SUMMARY[@]}"
-[ -f "$OUT/timing/results.md" ] && sed -n '/^## Forward/,$p' "$OUT/timing/results.md" | head -30
+[ -f "$LOG/timing/results.md" ] && sed -n '/^## Forward/,$p' "$LOG/timing/results.md" | head -30
+bundle
 exit 0
