@@ -1,6 +1,7 @@
-"""Writes csrc/sm90/instantiations/*.cu: one translation unit per entry of
-FGDN_SM90_FWD_INSTANTIATIONS, read from csrc/sm90/fwd_instantiate.h (the list lives there
-alone). Run after changing that list; it also removes the units of entries no longer listed.
+"""Writes csrc/sm90/instantiations/*.cu: one translation unit of the Hopper forward per entry of
+FGDN_CUDA_DIM_TYPES, read from csrc/cuda/dim_type_dispatch.h (the list lives there alone; the
+backward's launchers dispatch over the same list). Run after changing that list; it also
+removes the units of entries no longer listed.
 
 --check writes nothing and exits 1 when the units on disk differ from what the list gives
 (a unit missing, stale, edited by hand, or one left over): ctest runs it."""
@@ -10,9 +11,9 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HEADER = ROOT / "csrc" / "sm90" / "fwd_instantiate.h"
+HEADER = ROOT / "csrc" / "cuda" / "dim_type_dispatch.h"
 UNITS = ROOT / "csrc" / "sm90" / "instantiations"
-MACRO = "FGDN_SM90_FWD_INSTANTIATIONS"
+MACRO = "FGDN_CUDA_DIM_TYPES"
 # The operand types the kernels take, and the short names of their units.
 TYPE_NAMES = {"__nv_bfloat16": "bf16", "__half": "fp16"}
 

@@ -7,12 +7,14 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "cuda/chunk_index.cuh"
+#include "cuda/dim_type_dispatch.h"
 #include "cuda/device_utils.cuh"
 #include "common/problem.h"
 #include "flashgdn/flashgdn.h"
@@ -246,21 +248,11 @@ constexpr size_t dynamic_smem_1024_bytes() {
 }
 
 // ---- host-side dispatch on the head dimension and the q/k/v storage type ----------------------
-template <int D_, typename TQ_>
-struct DimType {
-  static constexpr int D = D_;
-  using TQ = TQ_;
-};
-// Calls f(DimType<D, TQ>{}) with D = P.D (64 | 128) and TQ the q/k/v type (bf16 | fp16); a
-// launcher taking DimType<D, TQ> as its first argument deduces both.
+using cuda::DimType;
+// Calls f(DimType<D, TQ>{}) with D = P.D and TQ the q/k/v type (cuda/dim_type_dispatch.h).
 template <class F>
 void dispatch_dim_type(const BwdParams& P, F&& f) {
-  const bool bf = P.qkv_dtype == FGDN_BFLOAT16;
-  if (P.D == 64) {
-    bf ? f(DimType<64, __nv_bfloat16>{}) : f(DimType<64, __half>{});
-  } else {
-    bf ? f(DimType<128, __nv_bfloat16>{}) : f(DimType<128, __half>{});
-  }
+  cuda::dispatch_dim_type(P.D, static_cast<fgdn_dtype>(P.qkv_dtype), std::forward<F>(f));
 }
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory (above the default 48 KB).

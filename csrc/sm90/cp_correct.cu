@@ -14,6 +14,7 @@
 
 #include "cuda/chunk_index.cuh"
 #include "cuda/device_utils.cuh"
+#include "cuda/dim_type_dispatch.h"
 #include "sm90/dependent_launch.h"
 #include "sm90/fwd_context_parallel.h"
 #include "sm90/ptx.cuh"
@@ -183,15 +184,13 @@ void launch_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
 
 }  // namespace
 
-void launch_cp_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, bool bf16, cudaStream_t stream) {
+void launch_cp_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, fgdn_dtype qkv,
+                       cudaStream_t stream) {
   if (!c.corrected) return;
-  if (fp.state_dim == 128) {
-    if (bf16) launch_correct<128, __nv_bfloat16>(c, fp, t, stream);
-    else launch_correct<128, __half>(c, fp, t, stream);
-  } else {
-    if (bf16) launch_correct<64, __nv_bfloat16>(c, fp, t, stream);
-    else launch_correct<64, __half>(c, fp, t, stream);
-  }
+  cuda::dispatch_dim_type(static_cast<int>(fp.state_dim), qkv, [&](auto d) {
+    using C = decltype(d);
+    launch_correct<C::D, typename C::TQ>(c, fp, t, stream);
+  });
 }
 
 }  // namespace flashgdn::sm90

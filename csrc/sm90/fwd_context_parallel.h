@@ -110,7 +110,8 @@ void launch_cp_bounds(const CpLayout& c, const FwdParams& fp, const CpTables& t,
 void launch_cp_certify(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
 void launch_cp_scan(const CpLayout& c, const FwdParams& fp, const CpTables& t, cudaStream_t stream);
-// q, k, v (and o, cp.corr) in bf16 (else fp16). Launched after the scan where c.corrected.
-void launch_cp_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, bool bf16, cudaStream_t stream);
+// q, k, v (and o, cp.corr) of type qkv. Launched after the scan where c.corrected.
+void launch_cp_correct(const CpLayout& c, const FwdParams& fp, const CpTables& t, fgdn_dtype qkv,
+                       cudaStream_t stream);
 
 }  // namespace flashgdn::sm90

@@ -1,9 +1,9 @@
-// The closed list of Hopper forward kernels: head dim {64, 128} x operand type {bf16, fp16}, each
-// with both precision schemes (Precision::kFast, kHigh: fwd_traits.cuh) and, at D = 128, whole or
-// column-split CTAs (12 kernels), one translation unit per (head dim, type) under
-// csrc/sm90/instantiations/ so that they compile in parallel.
-// scripts/gen_sm90_instantiations.py reads FGDN_SM90_FWD_INSTANTIATIONS below and writes those
-// units; its --check (a ctest) fails when they and this list disagree.
+// The Hopper forward kernels: one per entry of FGDN_CUDA_DIM_TYPES (cuda/dim_type_dispatch.h:
+// head dim {64, 128} x operand type {bf16, fp16}), each with both precision schemes
+// (Precision::kFast, kHigh: fwd_traits.cuh) and, at D = 128, whole or column-split CTAs (12
+// kernels), one translation unit per (head dim, type) under csrc/sm90/instantiations/ so that
+// they compile in parallel. scripts/gen_sm90_instantiations.py writes those units from the list;
+// its --check (a ctest) fails when they and the list disagree.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "cuda/dim_type_dispatch.h"
 #include "sm90/fwd_params.h"
 #include "sm90/fwd_traits.cuh"
 
@@ -21,15 +22,9 @@ namespace flashgdn::sm90 {
 template <int kD, typename Tin>
 void launch_fwd(const FwdParams& fp, Precision precision, int64_t ctas, cudaStream_t stream);
 
-#define FGDN_SM90_FWD_INSTANTIATIONS(X) \
-  X(64, __nv_bfloat16)                  \
-  X(64, __half)                         \
-  X(128, __nv_bfloat16)                 \
-  X(128, __half)
-
 #define FGDN_SM90_FWD_DECLARE(D, T) \
   extern template void launch_fwd<D, T>(const FwdParams&, Precision, int64_t, cudaStream_t);
-FGDN_SM90_FWD_INSTANTIATIONS(FGDN_SM90_FWD_DECLARE)
+FGDN_CUDA_DIM_TYPES(FGDN_SM90_FWD_DECLARE)
 #undef FGDN_SM90_FWD_DECLARE
 
 }  // namespace flashgdn::sm90

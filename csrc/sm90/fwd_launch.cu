@@ -183,14 +183,10 @@ void run(const Problem& p, FwdParams fp, const Workspace& wl, char* ws, Precisio
     if (units == 0) return;
     f.units = static_cast<int32_t>(units);
     const int64_t ctas = persistent ? std::min<int64_t>(units, sm_count(p.device_id)) : units;
-    const bool bf16 = p.qkv_dtype == FGDN_BFLOAT16;
-    if (p.K == 128) {
-      if (bf16) launch_fwd<128, __nv_bfloat16>(f, prec, ctas, stream);
-      else launch_fwd<128, __half>(f, prec, ctas, stream);
-    } else {
-      if (bf16) launch_fwd<64, __nv_bfloat16>(f, prec, ctas, stream);
-      else launch_fwd<64, __half>(f, prec, ctas, stream);
-    }
+    cuda::dispatch_dim_type(static_cast<int>(p.K), p.qkv_dtype, [&](auto c) {
+      using C = decltype(c);
+      launch_fwd<C::D, typename C::TQ>(f, prec, ctas, stream);
+    });
   };
   if (!wl.cp.enabled) {
     // Where the items fill less than half the SMs, each one's value columns (D = 128) go to two
@@ -235,7 +231,7 @@ void run(const Problem& p, FwdParams fp, const Workspace& wl, char* ws, Precisio
   launch_cp_scan(c, fp, t, stream);
   if (c.corrected) {
     // No second pass: the exact segments are corrected and the plan defers nothing.
-    launch_cp_correct(c, fp, t, p.qkv_dtype == FGDN_BFLOAT16, stream);
+    launch_cp_correct(c, fp, t, p.qkv_dtype, stream);
     return;
   }
   fp.cp.phase = 2;
