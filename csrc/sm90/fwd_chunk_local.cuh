@@ -215,7 +215,7 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
       gate_products<Tr>(p, sm, in, loc, kk, qk, diag, len, warp, lane);
       invert_diagonal_block(sm, diag, warp, lane);
     }
-    named_barrier_sync(kBar, 128);  // every T_ww; A's blocks left of the diagonal
+    named_barrier_sync(kBar, Tr::kWarpgroupThreads);  // every T_ww; A's blocks left of the diagonal
 
     // Each warp's T rows need only its own results from here on: no further barrier.
     if (warp & 1) {
@@ -230,7 +230,7 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     sm.local_full[ploc.stage].arrive();
     sm.in_empty[pin.stage].arrive();
     // The next chunk rewrites af and tf.
-    named_barrier_sync(kBar, 128);
+    named_barrier_sync(kBar, Tr::kWarpgroupThreads);
   }
 }
 

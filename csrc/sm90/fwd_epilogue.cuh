@@ -181,7 +181,7 @@ __device__ __forceinline__ bool store_output(const FwdParams& p, typename Tr::Ti
   const bool to_corr = Tr::kPrecision == Precision::kFast && w.out_corr;  // `fast` alone corrects
   if (p.o_tma && !to_corr && len == 64) {
     fence_proxy_async();  // the stmatrix writes, before the TMA engine reads them
-    named_barrier_sync(bar, 128);
+    named_barrier_sync(bar, Tr::kWarpgroupThreads);
     if (tid == 0) {
       const TileMapOrder& ord = p.order_o;
       const int32_t t = static_cast<int32_t>(t_chunk);
@@ -191,7 +191,7 @@ __device__ __forceinline__ bool store_output(const FwdParams& p, typename Tr::Ti
     }
     return tid == 0;
   }
-  named_barrier_sync(bar, 128);
+  named_barrier_sync(bar, Tr::kWarpgroupThreads);
   // o, or an exact segment's q~ (WorkItem::out_corr), of the same shape.
   Tin* dst = to_corr ? static_cast<Tin*>(p.cp.corr) + w.b * p.cp.cs0 + w.h * p.cp.cs2 + 64 * sw
                      : static_cast<Tin*>(p.o) + w.b * p.os0 + w.h * p.os2 + 64 * sw;

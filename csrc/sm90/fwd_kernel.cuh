@@ -47,12 +47,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tr::kInStages; ++s) {
       sm.in_full[s].init(1);
-      sm.in_ready[s].init(32 + 64);
-      sm.in_empty[s].init(128 * (1 + Tr::kStateWGs));
+      sm.in_ready[s].init(Tr::kInReadyArrivals);
+      sm.in_empty[s].init(Tr::kInEmptyArrivals);
     }
     for (int s = 0; s < Tr::kLocalStages; ++s) {
-      sm.local_full[s].init(128);
-      sm.local_empty[s].init(128 * Tr::kStateWGs);
+      sm.local_full[s].init(Tr::kLocalFullArrivals);
+      sm.local_empty[s].init(Tr::kLocalEmptyArrivals);
     }
     fence_barrier_init();
   }
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     else setmaxnreg_dec<Tr::kLocalRegs>();
     zero_local_p(sm, tid);
     // Every warp's zeros are in before any warp writes its blocks of P (they overlap the tile).
-    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kChunkLocal), 128);
+    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kChunkLocal), Tr::kWarpgroupThreads);
     walk_items(p, sm, [&](const WorkItem& w, int32_t c0) { fwd_chunk_local<Tr>(p, sm, w, c0, tid); });
   } else {
     setmaxnreg_inc<Tr::kStateRegs>();

@@ -124,7 +124,7 @@ __device__ __forceinline__ void fwd_row_norms(const FwdParams& p, FwdSmem<Tr>& s
     }
     fence_proxy_async();  // the zeroed / rescaled rows, before the tensor cores read them
     // fk is in: the gate warp forms the column exponents from it (fwd_load.cuh).
-    if (is_k) named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), 64);
+    if (is_k) named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), Tr::kGateNormThreads);
     sm.in_ready[pos.stage].arrive();
   }
 }

@@ -34,7 +34,23 @@ struct FwdTraits {
   static constexpr bool kSplitColumns = kSplitColumns_;
   static_assert(!kSplitColumns || kD == 128, "the column split is for D = 128 (two blocks)");
   static constexpr int kStateWGs = kSplitColumns ? 1 : kD / 64;
-  static constexpr int kThreads = 128 * (2 + kStateWGs);
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kThreads = kWarpgroupThreads * (2 + kStateWGs);
+
+  // Barrier sizes and arrival counts, from the roles above (fwd_kernel.cuh initialises the
+  // mbarriers; named barriers sync these many threads):
+  //   in_full     1: the TMA warp's lane, with the chunk's transaction bytes (kTmaBytes)
+  //   in_ready    the two norm warps and the gate warp: a chunk's rows and gates are in
+  //   in_empty    the chunk-local warpgroup and every state warpgroup: the input stage is free
+  //   local_full  the chunk-local warpgroup: T, P and the factors of a chunk are in
+  //   local_empty every state warpgroup: the local stage is free
+  //   kGateNorm   the gate warp and the k-norm warp (FwdBarrier::kGateNorm)
+  static constexpr uint32_t kNormThreads = 64, kGateThreads = 32;
+  static constexpr uint32_t kInReadyArrivals = kNormThreads + kGateThreads;
+  static constexpr uint32_t kInEmptyArrivals = kWarpgroupThreads * (1 + kStateWGs);
+  static constexpr uint32_t kLocalFullArrivals = kWarpgroupThreads;
+  static constexpr uint32_t kLocalEmptyArrivals = kWarpgroupThreads * kStateWGs;
+  static constexpr uint32_t kGateNormThreads = kGateThreads + 32;
 
   static constexpr Precision kPrecision = kPrecision_;
   static constexpr bool kSplitState = kPrecision == Precision::kHigh;
