@@ -85,7 +85,7 @@ if has pytest; then
   fi
   PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
   t0=$SECONDS
-  FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider \
+  FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider --durations=25 \
     >"$LOG/pytest.log" 2>&1
   rc=$?
   tail -15 "$LOG/pytest.log"
