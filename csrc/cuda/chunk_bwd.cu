@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "cuda/bwd_dh_plan.h"
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
 
@@ -33,36 +34,12 @@ struct Layout {
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
-// Reverse context parallelism of the dh pass (chunk_bwd_dh.cu): segments of `chunks` chunks,
-// `segments` of them for the longest possible sequence (1: no split). A fixed cp_segment is
-// taken as it is, but for the floor below (a sequence's bits then depend on nothing else in
-// the call); automatic splits only when every (sequence, value head) chain can take
-// kMinSegments segments within one wave of the SMs, into segments that fill them once: a chain
-// on the exact path takes (waves of phase 1 + 1) segment walks, so fewer than four segments, or
-// a second wave, gain nothing for it (the benchmark's inputs have a head without decay; at 16/64
-// one sequence, four segments in two waves measured 4.28 ms against 3.87 unsplit). Segments are
-// at least kMinSegmentChunks long: a certified segment's warm-up is up to 16 chunks.
-constexpr int64_t kMinSegmentChunks = 16;
-constexpr int64_t kMinSegments = 4;
-struct DhPlan {
-  int64_t chunks = 0;
-  int32_t segments = 1;
-};
-DhPlan dh_plan(const Problem& p) {
-  DhPlan d;
-  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
-  const int64_t longest = ceil_div(p.T, static_cast<int64_t>(bwd::kC));  // chunks, an upper bound
-  const int64_t chains = p.N * p.Hv;
-  if (p.cp_segment > 0) {
-    d.chunks = std::max(kMinSegmentChunks, p.cp_segment / bwd::kC);
-  } else {
-    int sms = 0;
-    FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
-    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kMinSegments > sms) return d;
-    d.chunks = std::max(kMinSegmentChunks, ceil_div(longest, std::max<int64_t>(kMinSegments, sms / chains)));
-  }
-  if (longest > d.chunks) d.segments = static_cast<int32_t>(ceil_div(longest, d.chunks));
-  return d;
+static_assert(bwd::kDhChunk == bwd::kC, "the dh plan counts the backward's chunks");
+
+int sm_count(const Problem& p) {
+  int sms = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
+  return sms;
 }
 
 constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
@@ -97,7 +74,7 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   o += align256(S * Hv * 2 * sizeof(float));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
-  const DhPlan dp = dh_plan(p);
+  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p));
   const size_t chains = static_cast<size_t>(p.N) * Hv;
   L.dh_cp = o;
   if (dp.segments > 1) o += align256(chains * static_cast<size_t>(dp.segments) * 2 * D * D * sizeof(float));
@@ -156,7 +133,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
-  const DhPlan dp = dh_plan(p);
+  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;

@@ -1,0 +1,50 @@
+// The plan of the backward's reverse context parallelism (chunk_bwd_dh.cu runs it): each
+// (sequence, value head) chain of the dh pass cut into `segments` segments of `chunks` chunks,
+// one CTA each (1: no split). Host arithmetic alone, so that the CPU tests check the decision
+// (tests/cpp/test_bwd_dh_plan.cpp) and the launcher keeps only the launches.
+//
+// A fixed cp_segment is taken as it is, but for the floor below (a sequence's bits then depend
+// on nothing else in the call). Automatically, a split happens only when every chain can take
+// kDhMinSegments segments within one wave of the SMs (4 N Hv <= SMs), into segments that fill
+// them once: a chain on the exact path takes (waves of phase 1 + 1) segment walks, so fewer than
+// four segments, or a second wave, gain nothing for it (the benchmark's inputs have a head
+// without decay; at 16/64, one 32768-token sequence, four segments in two waves measured 4.28 ms
+// against 3.87 unsplit on an H100). Segments are at least kDhMinSegmentChunks long: a certified
+// segment's warm-up is up to 16 chunks.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/problem.h"
+#include "flashgdn/flashgdn.h"
+
+namespace flashgdn::cuda::bwd {
+
+constexpr int64_t kDhChunk = 64;  // tokens a chunk (chunk_bwd_internal.cuh's kC)
+constexpr int64_t kDhMinSegmentChunks = 16;
+constexpr int64_t kDhMinSegments = 4;
+
+struct DhPlan {
+  int64_t chunks = 0;    // chunks a segment (0 with no split)
+  int32_t segments = 1;  // segments of the longest possible sequence (T tokens)
+};
+
+// sms: the device's multiprocessors (read only by an automatic split).
+inline DhPlan dh_plan(const Problem& p, int sms) {
+  DhPlan d;
+  if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
+  const int64_t longest = (p.T + kDhChunk - 1) / kDhChunk;  // chunks, an upper bound
+  const int64_t chains = p.N * p.Hv;
+  if (p.cp_segment > 0) {
+    d.chunks = std::max(kDhMinSegmentChunks, p.cp_segment / kDhChunk);
+  } else {
+    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kDhMinSegments > sms) return d;
+    const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / std::max<int64_t>(chains, 1));
+    d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
+  }
+  if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);
+  return d;
+}
+
+}  // namespace flashgdn::cuda::bwd

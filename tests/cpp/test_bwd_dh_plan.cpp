@@ -1,0 +1,95 @@
+// The backward's reverse context-parallel plan (csrc/cuda/bwd_dh_plan.h) on the host: when the
+// dh pass splits its chains, into how many segments, and the properties the launches rely on
+// (every chunk of the longest sequence covered; an automatic split fits one wave of the SMs).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+
+#include "cuda/bwd_dh_plan.h"
+
+namespace {
+
+using flashgdn::Problem;
+using flashgdn::cuda::bwd::dh_plan;
+using flashgdn::cuda::bwd::DhPlan;
+
+constexpr int kH100Sms = 132;
+
+Problem shape(int64_t N, int64_t T, int64_t Hv, int32_t mode = FGDN_CONTEXT_PARALLEL_AUTO, int64_t cp_segment = 0) {
+  Problem p;
+  p.N = N;
+  p.T = T;
+  p.Hv = Hv;
+  p.context_parallel = mode;
+  p.cp_segment = cp_segment;
+  return p;
+}
+
+TEST(BwdDhPlan, OffOrNoSequencesNeverSplits) {
+  EXPECT_EQ(dh_plan(shape(1, 32768, 8, FGDN_CONTEXT_PARALLEL_OFF), kH100Sms).segments, 1);
+  EXPECT_EQ(dh_plan(shape(1, 32768, 8, FGDN_CONTEXT_PARALLEL_OFF, 1024), kH100Sms).segments, 1);
+  EXPECT_EQ(dh_plan(shape(0, 0, 8), kH100Sms).segments, 1);
+}
+
+TEST(BwdDhPlan, AutomaticRowsOfTheBenchmark) {
+  // 16/64, one 32768-token sequence: 64 chains cannot take four segments each in one wave.
+  EXPECT_EQ(dh_plan(shape(1, 32768, 64), kH100Sms).segments, 1);
+  // 2/8: 8 chains, 16 segments each (132 / 8) of 32 chunks: one wave of 128 CTAs.
+  const DhPlan d = dh_plan(shape(1, 32768, 8), kH100Sms);
+  EXPECT_EQ(d.chunks, 32);
+  EXPECT_EQ(d.segments, 16);
+  // 33 chains on 132 SMs: exactly four segments each.
+  EXPECT_EQ(dh_plan(shape(1, 32768, 33), kH100Sms).segments, 4);
+  EXPECT_EQ(dh_plan(shape(1, 32768, 34), kH100Sms).segments, 1);
+}
+
+TEST(BwdDhPlan, ShortSequencesKeepTheSegmentFloor) {
+  // 2048 tokens = 32 chunks: segments of at least 16 chunks, so two.
+  const DhPlan d = dh_plan(shape(1, 2048, 8), kH100Sms);
+  EXPECT_EQ(d.chunks, 16);
+  EXPECT_EQ(d.segments, 2);
+  // Up to 16 chunks: nothing to split.
+  EXPECT_EQ(dh_plan(shape(1, 1024, 8), kH100Sms).segments, 1);
+}
+
+TEST(BwdDhPlan, FixedSegmentIgnoresTheDevice) {
+  // cp_segment in tokens; the same plan on any GPU and beside any number of chains.
+  for (int sms : {1, 78, 132, 1000}) {
+    const DhPlan d = dh_plan(shape(4, 3000, 64, FGDN_CONTEXT_PARALLEL_AUTO, 1024), sms);
+    EXPECT_EQ(d.chunks, 16);
+    EXPECT_EQ(d.segments, 3);  // 47 chunks
+  }
+  EXPECT_EQ(dh_plan(shape(1, 32768, 8, FGDN_CONTEXT_PARALLEL_ON, 64 * 100), kH100Sms).chunks, 100);
+  EXPECT_EQ(dh_plan(shape(1, 32768, 8, FGDN_CONTEXT_PARALLEL_ON, 256), kH100Sms).chunks, 16);  // floor
+}
+
+TEST(BwdDhPlan, ForcedSplitsBeyondOneWave) {
+  // context_parallel=True without a length: split even where the chains fill the SMs.
+  const DhPlan d = dh_plan(shape(1, 32768, 64, FGDN_CONTEXT_PARALLEL_ON), kH100Sms);
+  EXPECT_EQ(d.chunks, 128);  // 512 chunks / max(4, 132 / 64)
+  EXPECT_EQ(d.segments, 4);
+}
+
+TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
+  std::mt19937_64 rng(20261128);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t N = 1 + static_cast<int64_t>(rng() % 16), Hv = 1 + static_cast<int64_t>(rng() % 64);
+    const int64_t T = 1 + static_cast<int64_t>(rng() % (1 << 20));
+    const int sms = 1 + static_cast<int>(rng() % 200);
+    const DhPlan d = dh_plan(shape(N, T, Hv), sms);
+    const int64_t chunks = (T + 63) / 64;
+    if (d.segments == 1) {
+      ASSERT_TRUE(d.chunks == 0 || d.chunks >= chunks) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+      continue;
+    }
+    ASSERT_GE(d.chunks, 16);
+    ASSERT_GE(d.chunks * d.segments, chunks);                 // every chunk in a segment
+    ASSERT_LT(d.chunks * (d.segments - 1), chunks);          // no empty segment
+    ASSERT_LE(N * Hv * d.segments, sms);                      // one wave
+    ASSERT_GE(d.segments, std::min<int64_t>(4, (chunks + 15) / 16));  // four, unless too short
+  }
+}
+
+}  // namespace
