@@ -36,12 +36,6 @@ size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
 static_assert(bwd::kDhChunk == bwd::kC, "the dh plan counts the backward's chunks");
 
-int sm_count(const Problem& p) {
-  int sms = 0;
-  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id));
-  return sms;
-}
-
 constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
 
 // Element counts (fp32) of the workspace regions, in BwdParams order, then the shared region.
@@ -74,7 +68,7 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   o += align256(S * Hv * 2 * sizeof(float));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
-  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p));
+  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   const size_t chains = static_cast<size_t>(p.N) * Hv;
   L.dh_cp = o;
   if (dp.segments > 1) o += align256(chains * static_cast<size_t>(dp.segments) * 2 * D * D * sizeof(float));
@@ -133,7 +127,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
-  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p));
+  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;

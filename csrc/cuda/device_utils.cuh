@@ -41,6 +41,12 @@ inline void cuda_check(cudaError_t e, const char* what, const char* file, int li
                     std::to_string(line) + "): " + cudaGetErrorString(e));
 }
 #define FGDN_CUDA_CHECK(expr) ::flashgdn::cuda::cuda_check((expr), #expr, __FILE__, __LINE__)
+// The device's multiprocessors (the forward's persistent grids and CP plan, the backward's).
+inline int sm_count(int device_id) {
+  int sms = 0;
+  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id));
+  return sms;
+}
 // After a launch: reports configuration errors (does not synchronise).
 #define FGDN_CHECK_LAUNCH(what) \
   ::flashgdn::cuda::cuda_check(cudaGetLastError(), (what), __FILE__, __LINE__)

@@ -25,11 +25,7 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 // by CudaForward's dense_many_items cases, 480-512 units over the SMs).
 constexpr bool kPersistentDenseBatches = true;
 
-int sm_count(int device_id) {
-  int sms = 0;
-  FGDN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id));
-  return sms;
-}
+using cuda::sm_count;
 
 // Workspace layout: [checkpoint row offsets (varlen with checkpoints)] [packed q] [packed k]
 // [packed v] (the packed copies only for tensors TMA cannot address as they are), then with
