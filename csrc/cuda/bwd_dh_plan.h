@@ -11,6 +11,11 @@
 // without decay; at 16/64, one 32768-token sequence, four segments in two waves measured 4.28 ms
 // against 3.87 unsplit on an H100). Segments are at least kDhMinSegmentChunks long: a certified
 // segment's warm-up is up to 16 chunks.
+//
+// Unsplit at D = 128, where the chains fill at most half the SMs (2 N Hv <= SMs), each chain's
+// 128 value rows go to two CTAs of one warpgroup instead of one CTA of two (halves = 2): the
+// rows of dS^T evolve independently (dS^T's row v needs dvl^T's and dO^T's row v and the shared
+// K~, Q~, W), so the bits are the same and the two halves' chains run on two SMs.
 #pragma once
 
 #include <algorithm>
@@ -28,10 +33,11 @@ constexpr int64_t kDhMinSegments = 4;
 struct DhPlan {
   int64_t chunks = 0;    // chunks a segment (0 with no split)
   int32_t segments = 1;  // segments of the longest possible sequence (T tokens)
+  int32_t halves = 1;    // CTAs a chain's value rows are split over (segments == 1 only)
 };
 
 // sms: the device's multiprocessors (read only by an automatic split).
-inline DhPlan dh_plan(const Problem& p, int sms) {
+inline DhPlan dh_plan_segments(const Problem& p, int sms) {
   DhPlan d;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
   const int64_t longest = (p.T + kDhChunk - 1) / kDhChunk;  // chunks, an upper bound
@@ -44,6 +50,12 @@ inline DhPlan dh_plan(const Problem& p, int sms) {
     d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);
+  return d;
+}
+
+inline DhPlan dh_plan(const Problem& p, int sms) {
+  DhPlan d = dh_plan_segments(p, sms);
+  if (d.segments == 1 && p.K == 128 && p.N > 0 && 2 * p.N * p.Hv <= sms) d.halves = 2;
   return d;
 }
 

@@ -130,6 +130,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;
+  P.dh_halves = dp.halves;
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 

@@ -2,6 +2,8 @@
 //
 // One block per (sequence, value head), carrying dS^T (fp32, the wgmma accumulators of its own
 // update; warpgroup w holds value rows 64 w .. 64 w + 63) from d_final_state (zero when absent).
+// With P.dh_halves = 2 (D = 128, few chains: bwd_dh_plan.h) the two warpgroups are two blocks
+// (blockIdx.y = 2 h + w), each loading the whole images: the same products, on two SMs.
 // Per chunk, last to first:
 //   dh[chunk]  = dS                                           (gradient of the chunk's end state)
 //   dV_new^T   = dvl^T + dS^T K~^T,   K~ = diag(exp(c_L - c)) Kn    (dvl = P^T dO, chunk_prep)
@@ -209,12 +211,14 @@ template <int D, typename TQ>
 __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   using Im = Images<D>;
   constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
-  const int64_t n = blockIdx.x, h = blockIdx.y;
+  const int halves = D == 128 ? P.dh_halves : 1;  // 2: this CTA is one warpgroup, the rows' half blockIdx.y % 2
+  const int64_t n = blockIdx.x, h = blockIdx.y / halves;
   const SeqInfo si = seq_info(P.seq, n);
   const int64_t nch = ceil_div(si.len, kC);
   const ReverseWalk walk = reverse_walk(P, n, h, si, nch);
   if (!walk.active) return;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) & 3;
+  const int wg = halves == 2 ? static_cast<int>(blockIdx.y % 2) : tid >> 7;  // its value rows: 64 wg + [0, 64)
   const int g = lane >> 2, q = lane & 3;
   // Accumulator element e of a 64 x 64 block: (row 16 w + g + 8 ((e >> 1) & 1), column
   // 8 (e >> 2) + 2 q + (e & 1)); the row is the value index v, offset by 64 wg.
@@ -387,11 +391,14 @@ void launch_typed(DimType<D, TQ>, const BwdParams& P0, cudaStream_t s) {
   BwdParams P = P0;
   if (P.dh_segments <= 1) {
     P.dh_phase = 0;
-    dh_kernel<D, TQ><<<dim3(P.N, P.Hv, 1), D * 2, dh_smem_bytes<D>(), s>>>(P);
+    const int halves = D == 128 ? P.dh_halves : 1;
+    P.dh_halves = halves;
+    dh_kernel<D, TQ><<<dim3(P.N, P.Hv * halves, 1), D * 2 / halves, dh_smem_bytes<D>(), s>>>(P);
     FGDN_CHECK_LAUNCH("bwd dh pass");
     return;
   }
   P.dh_phase = 1;
+  P.dh_halves = 1;
   dh_kernel<D, TQ><<<dim3(P.N, P.Hv, 2 * P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass (segments)");
   constexpr size_t kScanSmem = 2 * D * D * sizeof(float);

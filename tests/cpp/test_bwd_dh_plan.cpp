@@ -17,8 +17,10 @@ using flashgdn::cuda::bwd::DhPlan;
 
 constexpr int kH100Sms = 132;
 
-Problem shape(int64_t N, int64_t T, int64_t Hv, int32_t mode = FGDN_CONTEXT_PARALLEL_AUTO, int64_t cp_segment = 0) {
+Problem shape(int64_t N, int64_t T, int64_t Hv, int32_t mode = FGDN_CONTEXT_PARALLEL_AUTO, int64_t cp_segment = 0,
+              int64_t K = 128) {
   Problem p;
+  p.K = p.V = K;
   p.N = N;
   p.T = T;
   p.Hv = Hv;
@@ -72,6 +74,19 @@ TEST(BwdDhPlan, ForcedSplitsBeyondOneWave) {
   EXPECT_EQ(d.segments, 4);
 }
 
+TEST(BwdDhPlan, HalvesWhereTheChainsFillHalfTheSms) {
+  // 16/64, one sequence: no segments, but 64 chains x 2 halves = 128 CTAs on 132 SMs.
+  DhPlan d = dh_plan(shape(1, 32768, 64), kH100Sms);
+  EXPECT_EQ(d.segments, 1);
+  EXPECT_EQ(d.halves, 2);
+  EXPECT_EQ(dh_plan(shape(1, 32768, 64, FGDN_CONTEXT_PARALLEL_AUTO, 0, 64), kH100Sms).halves, 1);  // D = 64
+  EXPECT_EQ(dh_plan(shape(1, 32768, 67), kH100Sms).halves, 1);                                    // 134 CTAs
+  EXPECT_EQ(dh_plan(shape(1, 32768, 8), kH100Sms).halves, 1);  // segments instead
+  d = dh_plan(shape(1, 32768, 8, FGDN_CONTEXT_PARALLEL_OFF), kH100Sms);  // the same bits: CP off too
+  EXPECT_EQ(d.segments, 1);
+  EXPECT_EQ(d.halves, 2);
+}
+
 TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
   std::mt19937_64 rng(20261128);
   for (int i = 0; i < 20000; ++i) {
@@ -80,6 +95,11 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
     const int sms = 1 + static_cast<int>(rng() % 200);
     const DhPlan d = dh_plan(shape(N, T, Hv), sms);
     const int64_t chunks = (T + 63) / 64;
+    if (d.halves != 1) {
+      ASSERT_EQ(d.halves, 2);
+      ASSERT_EQ(d.segments, 1);
+      ASSERT_LE(2 * N * Hv, sms);
+    }
     if (d.segments == 1) {
       ASSERT_TRUE(d.chunks == 0 || d.chunks >= chunks) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
       continue;
