@@ -817,9 +817,11 @@ def main(argv=None) -> int:
     p.add_argument("--cases", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=300)
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds: start no case after this (the report says how many ran)")
     p.add_argument("--json", help="write the report here")
     a = p.parse_args(argv)
-    rep = campaign(a.device, a.cases, a.seed, a.max_tokens)
+    rep = campaign(a.device, a.cases, a.seed, a.max_tokens, time_limit=a.time_limit)
     print(rep.summary())
     if a.json:
         with open(a.json, "w") as f:
