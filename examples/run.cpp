@@ -51,6 +51,7 @@ struct Options {
   bool backward = true, check = true;
   int32_t cp = FGDN_CONTEXT_PARALLEL_AUTO;
   int64_t cp_segment = 0;
+  bool qk_norm_in_kernel = true;  // --qk-norm in_kernel | prenormalized (rows normalised here)
 };
 
 const char* precision_name(fgdn_precision p) {
@@ -93,7 +94,12 @@ Options parse(int argc, char** argv) {
                                : std::string(v) == "off" ? FGDN_CONTEXT_PARALLEL_OFF
                                                          : FGDN_CONTEXT_PARALLEL_AUTO;
     else if (k == "--cp-segment") o.cp_segment = std::atoll(v);
-    else {
+    else if (k == "--qk-norm" && (std::string(v) == "in_kernel" || std::string(v) == "prenormalized"))
+      o.qk_norm_in_kernel = std::string(v) == "in_kernel";
+    else if (k == "--qk-norm") {
+      std::fprintf(stderr, "--qk-norm: expected in_kernel or prenormalized, got '%s'\n", v);
+      std::exit(2);
+    } else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       std::exit(2);
     }
@@ -192,12 +198,14 @@ int main(int argc, char** argv) {
   if (opt.T < 0) opt.T = cuda ? 8192 : 256;
   const int64_t B = 1, T = opt.T, Hq = opt.Hq, Hv = opt.Hv, K = opt.K, V = opt.K, N = 1;
   std::printf("flashgdn %s main job: %s backend, B=%lld T=%lld Hq=%lld Hv=%lld K=V=%lld, bf16 q/k/v, "
-              "l2norm in kernel, initial + final state\n",
+              "%s, initial + final state\n",
               fgdn_version(), cuda ? "cuda" : "cpu", (long long)B, (long long)T, (long long)Hq,
-              (long long)Hv, (long long)K);
+              (long long)Hv, (long long)K,
+              opt.qk_norm_in_kernel ? "l2norm in kernel" : "q/k normalised before the call");
 
   // Inputs with realistic gates: per head A in [0, 16], head 0 with A = 0 (no decay),
-  // g = -A * softplus(x + 1); beta in (0, 1); q, k, v standard normal (q, k normalised in kernel).
+  // g = -A * softplus(x + 1); beta in (0, 1); q, k, v standard normal (q, k normalised in the
+  // kernel, or before the call with --qk-norm prenormalized).
   // A counter-based generator (splitmix64) and Box-Muller: fast enough for the 10^9 samples of
   // the largest shapes.
   uint64_t counter = 20261123;
@@ -230,8 +238,26 @@ int main(int argc, char** argv) {
   };
   std::vector<double> A(Hv);
   for (int64_t h = 0; h < Hv; ++h) A[h] = h == 0 ? 0.0 : 16.0 * uni();
-  fill_bf16(q, 1.0);
-  fill_bf16(k, 1.0);
+  // q, k rows: standard normal, or (--qk-norm prenormalized) divided by sqrt(|x|^2 + 1e-6), the
+  // in-kernel norm's formula, before rounding to bf16.
+  auto fill_qk = [&](Buffer& b) {
+    std::vector<double> row(static_cast<size_t>(K));
+    for (size_t r = 0; r < b.host.size() / 2 / K; ++r) {
+      double ss = 0;
+      for (auto& x : row) {
+        x = normal();
+        ss += x * x;
+      }
+      const double f = opt.qk_norm_in_kernel ? 1.0 : 1.0 / std::sqrt(ss + 1e-6);
+      for (int64_t c = 0; c < K; ++c) {
+        const uint16_t h = float_to_bf16(static_cast<float>(f * row[c]));
+        std::memcpy(b.host.data() + 2 * (r * K + c), &h, 2);
+      }
+    }
+    b.upload();
+  };
+  fill_qk(q);
+  fill_qk(k);
   fill_bf16(v, 1.0);
   fill_bf16(d_o, 1.0);
   fill_f32(g, [&](size_t i) { const double x = normal() + 1.0; return -A[i % Hv] * std::log1p(std::exp(x)); });
@@ -247,7 +273,7 @@ int main(int argc, char** argv) {
   fa.in.g = make_tensor(g.ptr(), FGDN_FLOAT32, {B, T, Hv}, dev);
   fa.in.beta = make_tensor(beta.ptr(), FGDN_FLOAT32, {B, T, Hv}, dev);
   fa.in.initial_state = make_tensor(h0.ptr(), FGDN_FLOAT32, {N, Hv, K, V}, dev);
-  fa.in.use_qk_l2norm_in_kernel = 1;
+  fa.in.use_qk_l2norm_in_kernel = opt.qk_norm_in_kernel ? 1 : 0;
   fa.o = make_tensor(o.ptr(), FGDN_BFLOAT16, {B, T, Hv, V}, dev);
   fa.final_state = make_tensor(ht.ptr(), FGDN_FLOAT32, {N, Hv, K, V}, dev);
   fa.output_final_state = 1;
@@ -272,7 +298,7 @@ int main(int argc, char** argv) {
   if (opt.check) {
     ref::Problem rp;
     rp.B = B, rp.T = T, rp.Hq = Hq, rp.Hv = Hv, rp.K = K, rp.V = V;
-    rp.use_qk_l2norm = true;
+    rp.use_qk_l2norm = opt.qk_norm_in_kernel;
     rp.has_initial_state = true;
     ref::Inputs ri{q.as_bf16(), k.as_bf16(), v.as_bf16(), g.as_f32(), beta.as_f32(), {}, {}, h0.as_f32()};
     const auto t0 = std::chrono::steady_clock::now();

@@ -3,7 +3,7 @@
 # C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
 #
 #   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all);
-#                                         fuzz, sanitize-fuzz and bwd run only when named
+#                                         fuzz, sanitize-fuzz, fwd and bwd run only when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Into $OUT (or /tmp/flashgdn-gpu) go three files,
@@ -156,6 +156,29 @@ if has fuzz; then
   rc=$?
   grep -v '^\[err\]' "$LOG/fuzz.log" | grep -v '^cases per class' | tail -20
   note "fuzz (CUDA vs the oracle, seed $FUZZ_SEED)" "$(grep -m1 '^fuzz on' "$LOG/fuzz.log" || echo "rc=$rc, no summary") ($((SECONDS - t0)) s)"
+fi
+
+if has fwd; then
+  # The forward's development loop (issue 37), one call: its CP tests (C++), its errors and its
+  # times in both q/k conventions (normalised in the kernel, or before the call), CP automatic and
+  # off, on the rows where the convention changed the plan. Logs: fwd-* in logs.tar.gz.
+  t0=$SECONDS
+  "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter='*CudaCP*:*ContextParallel*:*CudaForward*' \
+    >"$LOG/fwd-tests.log" 2>&1
+  note "forward tests (C++)" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$LOG/fwd-tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
+  for qn in in_kernel prenormalized; do
+    "$BUILD/flashgdn_run" --device cuda --T 2048 --Hq 16 --Hv 64 --backward 0 --check 1 --qk-norm $qn \
+      >"$LOG/fwd-errors-$qn.log" 2>&1
+    note "forward errors, $qn (16/64, T 2048)" "$(grep -E '^\| (o|final_state) ' "$LOG/fwd-errors-$qn.log" | tr -s ' ' | tr '\n' ' ')"
+    for row in 16/64/32768 16/64/8192 2/8/32768; do
+      IFS=/ read -r hq hv tt <<<"$row"
+      for cp in auto off; do
+        "$BUILD/flashgdn_run" --device cuda --T "$tt" --Hq "$hq" --Hv "$hv" --backward 0 --check 0 --iters 20 \
+          --cp $cp --qk-norm $qn >"$LOG/fwd-time-$qn-$hq-$hv-$tt-$cp.log" 2>&1
+        note "forward ms, $qn, CP $cp ($hq/$hv 1x$tt)" "$(grep -E '^\| forward ' "$LOG/fwd-time-$qn-$hq-$hv-$tt-$cp.log" | tr -s ' ')"
+      done
+    done
+  done
 fi
 
 if has bwd; then
