@@ -129,6 +129,18 @@ FwdParams make_params(const Problem& p, const fgdn_fwd_args& a, const Workspace&
     fp.order_q = mq.order;
     fp.order_k = mk.order;
     fp.order_v = mv.order;
+    fp.k_dtype = a.in.k.dtype;
+    if (tile_map_direct(a.in.k)) {
+      fp.k = a.in.k.data;
+      fp.ks0 = a.in.k.strides[0];
+      fp.ks1 = a.in.k.strides[1];
+      fp.ks2 = a.in.k.strides[2];
+    } else {  // tile_map's packed copy: contiguous [B, T, Hq, K]
+      fp.k = ws + wl.k;
+      fp.ks2 = a.in.k.shape[3];
+      fp.ks1 = a.in.k.shape[2] * fp.ks2;
+      fp.ks0 = a.in.k.shape[1] * fp.ks1;
+    }
     if (a.o.data != nullptr && tile_map_direct(a.o)) {
       const TileMap mo = make_tile_map(a.o);
       fp.tma_o = mo.map;
