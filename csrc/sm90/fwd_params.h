@@ -94,4 +94,10 @@ struct FwdParams {
                            // no CP), the kernel built with FwdTraits::kSplitColumns
 };
 
+// Whether a launch writes output rows (o, or an exact segment's q~): not for the backward's
+// chunk-start states (chunk_states, fwd_launch.cu), whose `high` kernels then skip O's products.
+__host__ __device__ inline bool fwd_writes_output(const FwdParams& p) {
+  return p.o != nullptr || p.cp.corr != nullptr;
+}
+
 }  // namespace flashgdn::sm90
