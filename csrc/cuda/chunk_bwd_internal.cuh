@@ -73,7 +73,8 @@ struct BwdParams {
   float* rk;    // [num_chunks * 64, Hq]
   float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
   float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
-                //                           spare row: chunk_bwd_state.cu)
+                //                           spare row: chunk_bwd_state.cu); bf16 where
+                //                           states_in_bf16 (below)
   float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
   float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
@@ -87,6 +88,14 @@ struct BwdParams {
   float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
   uint8_t* img; // [num_chunks * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
+
+// Below `high` with bf16 inputs the chunk-start states h are stored in bf16: their readers there
+// (sm90/bwd_prep.cu, sm90/bwd_dqk.cu) use them only as bf16 tile operands, so storing the
+// rounded value changes no product (dqk's <dS, S0> reads the bf16 values), and halves h's bytes.
+// fp16 inputs keep fp32 h (prep stages h in bf16, dqk in fp16); `high` reads it in fp32.
+__host__ __device__ inline bool states_in_bf16(bool precision_high, int32_t qkv_dtype) {
+  return !precision_high && qkv_dtype == FGDN_BFLOAT16;
+}
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
   return b * t.s0 + tok * t.s1 + h * t.s2;

@@ -25,6 +25,7 @@ namespace flashgdn::cuda::bwd {
 namespace {
 
 namespace tl = sm90::tiles;
+using bf16 = __nv_bfloat16;
 
 // The staged operands (bwd_tiles.cuh: [rows][64] tiles of T, D / 64 of them along a D-wide row).
 template <int D, typename T>
@@ -46,6 +47,24 @@ __device__ __forceinline__ float dot_pieces(const tl::Piece<D>& x, const tl::Pie
 #pragma unroll
   for (int i = 0; i < 2 * tl::Items<D>::kCount; ++i)
     s += x.x[i].x * y.x[i].x + x.x[i].y * y.x[i].y + x.x[i].z * y.x[i].z + x.x[i].w * y.x[i].w;
+  return s;
+}
+
+// The same over bf16 values x (Rows16: 8 an item) and fp32 values y, item by item in
+// dot_pieces' order.
+template <int D>
+__device__ __forceinline__ float dot_rows_piece(const tl::Rows16<D>& x, const tl::Piece<D>& y) {
+  float s = 0.f;
+#pragma unroll
+  for (int it = 0; it < tl::Items<D>::kCount; ++it) {
+    const uint32_t w[4] = {x.x[it].x, x.x[it].y, x.x[it].z, x.x[it].w};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 a = sm90::unpack2<bf16>(w[2 * half]), b = sm90::unpack2<bf16>(w[2 * half + 1]);
+      const float4 v = y.x[2 * it + half];
+      s += a.x * v.x + a.y * v.y + b.x * v.z + b.y * v.w;
+    }
+  }
   return s;
 }
 
@@ -78,34 +97,64 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_sm90_kernel(BwdParams P) 
   constexpr uint32_t kTD = D * 128;  // bytes of a D-row tile
   uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
   uint8_t* dhs = reinterpret_cast<uint8_t*>(S.dh);
-  const float* hg = P.h + r * D * D;
   const float* dhg = P.dh + r * D * D;
-  // Pieces of 64 rows; the states' 64-row blocks alternate S0, dS, so that a block of each is
-  // in registers at once for <dS, S0>.
-  constexpr int kPieces = 2 + 2 * kB;
-  const auto piece = [&](int i) -> tl::PieceSrc {
-    switch (i) {
-      case 0: return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-      case 1: return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
-      default: {
-        const int b = (i - 2) / 2;
-        return (i - 2) % 2 == 0 ? tl::PieceSrc{hg + 64 * b * D, D, hs + 64 * b * 128, kTD}
-                                : tl::PieceSrc{dhg + 64 * b * D, D, dhs + 64 * b * 128, kTD};
-      }
-    }
-  };
-  tl::Piece<D> cur, nxt;
-  tl::load_piece<D>(piece(0), cur, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.d_o), o, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.vn), vr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dvn), dvr, tid);
   float frob = 0.f;
+  if constexpr (std::is_same_v<TQ, bf16>) {
+    // S0 arrives in bf16 (states_in_bf16) and is copied as it is; the fp32 pieces are Kn, Qn and
+    // dS's blocks, each S0 block's rows in registers while dS's block of the same rows is
+    // staged, for <dS, S0> (the bf16 values of S0: what the products use).
+    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
+    tl::Rows16<D> hr[kB];
 #pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
-    if (i >= 2 && i % 2 == 0) frob += dot_pieces<D>(cur, nxt);  // S0 block . dS block
-    tl::store_piece<D, TQ>(piece(i), cur, tid);
-    cur = nxt;
+    for (int b = 0; b < kB; ++b) tl::load_rows16<D>(hg + 64 * b * D, D, 64, hr[b], tid);
+    constexpr int kPieces = 2 + kB;
+    const auto piece = [&](int i) -> tl::PieceSrc {
+      if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+      if (i == 1) return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
+      return {dhg + 64 * (i - 2) * D, D, dhs + 64 * (i - 2) * 128, kTD};
+    };
+    tl::Piece<D> cur, nxt;
+    tl::load_piece<D>(piece(0), cur, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.d_o), o, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.vn), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dvn), dvr, tid);
+#pragma unroll
+    for (int b = 0; b < kB; ++b) tl::store_rows16<D>(hs + 64 * b * 128, hr[b], tid, kTD);
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
+      if (i >= 2) frob += dot_rows_piece<D>(hr[i - 2], cur);  // S0 block . dS block
+      tl::store_piece<D, TQ>(piece(i), cur, tid);
+      cur = nxt;
+    }
+  } else {
+    const float* hg = P.h + r * D * D;
+    // Pieces of 64 rows; the states' 64-row blocks alternate S0, dS, so that a block of each is
+    // in registers at once for <dS, S0>.
+    constexpr int kPieces = 2 + 2 * kB;
+    const auto piece = [&](int i) -> tl::PieceSrc {
+      switch (i) {
+        case 0: return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+        case 1: return {qn, lds, reinterpret_cast<uint8_t*>(S.qn), tl::kTile64};
+        default: {
+          const int b = (i - 2) / 2;
+          return (i - 2) % 2 == 0 ? tl::PieceSrc{hg + 64 * b * D, D, hs + 64 * b * 128, kTD}
+                                  : tl::PieceSrc{dhg + 64 * b * D, D, dhs + 64 * b * 128, kTD};
+        }
+      }
+    };
+    tl::Piece<D> cur, nxt;
+    tl::load_piece<D>(piece(0), cur, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.d_o), o, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.vn), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dvn), dvr, tid);
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
+      if (i >= 2 && i % 2 == 0) frob += dot_pieces<D>(cur, nxt);  // S0 block . dS block
+      tl::store_piece<D, TQ>(piece(i), cur, tid);
+      cur = nxt;
+    }
   }
   frob = warp_sum(frob);
   if ((tid & 31) == 0) s_red[tid >> 5] = frob;

@@ -114,23 +114,44 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   tl::load_rows16<D>(qg, P.q.s1, len, qr, tid);
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
   tl::load_rows16<D>(dog, P.d_o.s1, len, orr, tid);
-  const float* hg = P.h + r * D * D;
-  constexpr int kPieces = 1 + kB;
-  const auto piece = [&](int i) -> tl::PieceSrc {
-    if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-    return {hg + 64 * (i - 1) * D, D, reinterpret_cast<uint8_t*>(S.h) + 64 * (i - 1) * 128, D * 128};
-  };
-  tl::Piece<D> cur, nxt;
-  tl::load_piece<D>(piece(0), cur, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+  // S0 = h[chunk]: bf16 in the workspace with bf16 inputs (states_in_bf16), copied as it is;
+  // else fp32, rounded here. 64-row blocks of its D rows, D * 128 bytes between column tiles.
+  constexpr bool kH16 = std::is_same_v<TQ, bf16>;
+  uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
+  if constexpr (kH16) {
+    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
+    tl::Rows16<D> hr[kB];
 #pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
-    tl::store_piece<D, bf16>(piece(i), cur, tid);
-    cur = nxt;
+    for (int b = 0; b < kB; ++b) tl::load_rows16<D>(hg + 64 * b * D, D, 64, hr[b], tid);
+    const tl::PieceSrc kp{kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+    tl::Piece<D> kv;
+    tl::load_piece<D>(kp, kv, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+#pragma unroll
+    for (int b = 0; b < kB; ++b) tl::store_rows16<D>(hs + 64 * b * 128, hr[b], tid, D * 128);
+    tl::store_piece<D, bf16>(kp, kv, tid);
+  } else {
+    const float* hg = P.h + r * D * D;
+    constexpr int kPieces = 1 + kB;
+    const auto piece = [&](int i) -> tl::PieceSrc {
+      if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+      return {hg + 64 * (i - 1) * D, D, hs + 64 * (i - 1) * 128, D * 128};
+    };
+    tl::Piece<D> cur, nxt;
+    tl::load_piece<D>(piece(0), cur, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
+      tl::store_piece<D, bf16>(piece(i), cur, tid);
+      cur = nxt;
+    }
   }
   load_chunk_gates(P, ci, h, s_c, s_beta);
   if (tid < kC) {

@@ -111,10 +111,14 @@ __device__ __forceinline__ void load_rows16(const TQ* src, int64_t ld, int len, 
                         : make_uint4(0, 0, 0, 0);
   }
 }
+// tile_bytes: the distance between the 64-column tiles (kTile64 for a 64-row operand; a block of
+// 64 rows of a D-row operand's tiles: D * 128).
 template <int D>
-__device__ __forceinline__ void store_rows16(uint8_t* dst, const Rows16<D>& r, int tid) {
+__device__ __forceinline__ void store_rows16(uint8_t* dst, const Rows16<D>& r, int tid,
+                                             uint32_t tile_bytes = kTile64) {
 #pragma unroll
-  for (int it = 0; it < Items<D>::kCount; ++it) put8(dst, kTile64, Items<D>::row(tid, it), Items<D>::c8(tid, it), r.x[it]);
+  for (int it = 0; it < Items<D>::kCount; ++it)
+    put8(dst, tile_bytes, Items<D>::row(tid, it), Items<D>::c8(tid, it), r.x[it]);
 }
 
 // ---- products ---------------------------------------------------------------------------------

@@ -300,19 +300,19 @@ size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
   return plan(chunk_states_problem(p), chunk_states_args(in)).total;
 }
 
-void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, float* states,
-                  const int64_t* first_row, void* workspace, cudaStream_t stream) {
+void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, void* states,
+                  fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream) {
   if (p.N == 0) return;
   const Problem q = chunk_states_problem(p);
   const fgdn_fwd_args a = chunk_states_args(in);
   const Workspace wl = plan(q, a);
   char* ws = static_cast<char*>(workspace);
   FwdParams fp = make_params(q, a, wl, ws, stream);
-  // states: [rows, Hv, K, V] fp32, row-major whatever the caller's state layout (StateRef's
-  // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3).
+  // states: [rows, Hv, K, V], row-major whatever the caller's state layout (StateRef's
+  // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3), rounded to nearest in bf16.
   const int64_t d = p.K;
   fp.ckpt.data = states;
-  fp.ckpt.dtype = FGDN_FLOAT32;
+  fp.ckpt.dtype = states_dtype;
   fp.ckpt.s0 = p.Hv * d * d;
   fp.ckpt.s1 = d * d;
   fp.ckpt.s2 = p.state_v_first ? 1 : d;
