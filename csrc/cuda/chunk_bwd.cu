@@ -53,18 +53,18 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
       S * Hv * C * D, S * Hv * C * D,  // dqh, dkh (in the shared region)
       S * Hv * C,                      // dc
   };
-  // Below `high`, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit values
-  // (the inputs' type: the tile kernels that read them stage them so); so does h with bf16
-  // inputs (bwd::states_in_bf16).
+  // Below `high`, T, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit
+  // values (the inputs' type: the tile kernels that read them stage them so); so does h with
+  // bf16 inputs (bwd::states_in_bf16).
   const bool wide = p.precision == FGDN_PRECISION_HIGH;
-  constexpr int kH = 5, kW = 8, kVn = 9;
+  constexpr int kH = 5, kTm = 7, kW = 8, kVn = 9;
   const bool h16 = bwd::states_in_bf16(wide, p.qkv_dtype);
   Layout L{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
     if (i == kDqh || i == kDkh) continue;
     L.off[i] = o;
-    const bool narrow = ((i == kW || i == kVn) && !wide) || (i == kH && h16);
+    const bool narrow = ((i == kTm || i == kW || i == kVn) && !wide) || (i == kH && h16);
     o += align256(n[i] * (narrow ? 2 : sizeof(float)));
   }
   L.gpart = o;

@@ -76,7 +76,7 @@ struct BwdParams {
                 //                           spare row: chunk_bwd_state.cu); bf16 where
                 //                           states_in_bf16 (below)
   float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
-  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
+  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}; in the inputs' type below `high`
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
   float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
   float* dvn;   // [num_chunks * Hv, 64, D]  local dv (dvl); after the dh pass, dV_new

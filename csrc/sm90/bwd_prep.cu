@@ -212,11 +212,11 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     const auto sync = [] { sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup); };
     sync();
     sm90::invert_chunk<true>(S.u.at, wtid >> 5, tid & 31, sync);
-    float* Tg = P.Tm + r * kC * kC;
+    TQ* Tg = reinterpret_cast<TQ*>(P.Tm) + r * kC * kC;  // in the inputs' type: wy's tiles
     for (int e = wtid; e < kC * kC / 2; e += tl::kWarpgroup) {  // pairs (i, j), (i, j + 1)
       const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
       const float2 t = *reinterpret_cast<const float2*>(&S.u.at.tf[i][j]);
-      *reinterpret_cast<float2*>(Tg + i * kC + j) = t;
+      *reinterpret_cast<uint32_t*>(Tg + i * kC + j) = cuda::pack2<TQ>(t.x, t.y);
       tl::put2<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t.x * s_beta[j] * s_ec[j],
                      t.y * s_beta[j + 1] * s_ec[j + 1]);
       tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * s_beta[j], t.y * s_beta[j + 1]);

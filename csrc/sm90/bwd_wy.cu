@@ -89,19 +89,24 @@ __global__ void __launch_bounds__(tl::kThreads, 1) wy_sm90_kernel(BwdParams P) {
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
   tl::load_rows16<D>(dug, D, len, dur, tid);
   tl::load_rows16<D>(dwg, D, len, dwr, tid);
-  tl::Piece<64> tp;
-  tl::load_piece<64>({P.Tm + r * kC * kC, kC, nullptr, 0}, tp, tid);
+  // T arrives in the inputs' type (prep rounds it once, below `high`): copied as it is, and
+  // transposed value by value.
+  tl::Rows16<64> tr;
+  tl::load_rows16<64>(reinterpret_cast<const TQ*>(P.Tm) + r * kC * kC, kC, kC, tr, tid);
   const tl::PieceSrc kp{kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
   tl::Piece<D> a;
   tl::load_piece<D>(kp, a, tid);
-  tl::store_piece<64, TQ>({nullptr, 0, reinterpret_cast<uint8_t*>(S.tn), tl::kTile64}, tp, tid);
+  tl::store_rows16<64>(reinterpret_cast<uint8_t*>(S.tn), tr, tid);
 #pragma unroll
   for (int it = 0; it < tl::Items<64>::kCount; ++it) {  // T^T: T[j][k] at row k, column j
     const int j = tl::Items<64>::row(tid, it), k0 = 8 * tl::Items<64>::c8(tid, it);
-    const float x[8] = {tp.x[2 * it].x,     tp.x[2 * it].y,     tp.x[2 * it].z,     tp.x[2 * it].w,
-                        tp.x[2 * it + 1].x, tp.x[2 * it + 1].y, tp.x[2 * it + 1].z, tp.x[2 * it + 1].w};
+    const uint32_t w[4] = {tr.x[it].x, tr.x[it].y, tr.x[it].z, tr.x[it].w};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tt), tl::kTile64, k0 + k, j, x[k]);
+    for (int k = 0; k < 8; k += 2) {
+      const float2 x = sm90::unpack2<TQ>(w[k / 2]);  // exact: the put1 below rounds nothing
+      tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tt), tl::kTile64, k0 + k, j, x.x);
+      tl::put1<TQ>(reinterpret_cast<uint8_t*>(S.tt), tl::kTile64, k0 + k + 1, j, x.y);
+    }
   }
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.du), dur, tid);
   tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.dw), dwr, tid);
