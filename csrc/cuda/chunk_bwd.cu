@@ -3,10 +3,9 @@
 //   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  sm90/bwd_prep.cu (fast),
 //                              the reverse pass's bf16 images         chunk_bwd_prep.cu (high)
 //   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
-//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     sm90/bwd_dqk.cu (fast),
-//                                                                     chunk_bwd_dqk.cu (high)
-//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         sm90/bwd_wy.cu (fast),
-//                                                                     chunk_bwd_wy.cu (high)
+//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu (high)
+//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu (high)
+//   4+5 below `high`: one kernel, dW and dk's part kept on chip       sm90/bwd_dqk_wy.cu
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
 #include "cuda/chunk_bwd.h"
 
@@ -176,8 +175,12 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
     std::swap(P.dvn, P.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
   }
   if (any_chunks) {
-    P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);
-    P.precision_high ? bwd::launch_bwd_wy(P, stream) : bwd::launch_bwd_wy_sm90(P, stream);
+    if (P.precision_high) {
+      bwd::launch_bwd_dqk(P, stream);
+      bwd::launch_bwd_wy(P, stream);
+    } else {
+      bwd::launch_bwd_dqk_wy_sm90(P, stream);
+    }
     bwd::launch_bwd_reduce(P, stream);
   } else if (P.gate_in_kernel) {
     bwd::launch_bwd_reduce(P, stream);

@@ -290,10 +290,9 @@ void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
 void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
-void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
-void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)
-void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part)
-void launch_bwd_wy_sm90(const BwdParams& P, cudaStream_t s);    // the same at `fast` (sm90/bwd_wy.cu)
+void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc (`high`)
+void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part; `high`)
+void launch_bwd_dqk_wy_sm90(const BwdParams& P, cudaStream_t s);  // both below `high` (sm90/bwd_dqk_wy.cu)
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg, dA_log
 
 }  // namespace flashgdn::cuda::bwd

@@ -1,4 +1,4 @@
-// Shared device code of the per-chunk backward kernels on wgmma (bwd_dqk.cu, bwd_wy.cu): one
+// Shared device code of the per-chunk backward kernels on wgmma (bwd_prep.cu, bwd_dqk_wy.cu): one
 // block of two warpgroups per (chunk, value head) stages each operand once into shared memory
 // as 16-bit tiles of the inputs' type T (bf16 | fp16, as the forward's operands) and multiplies
 // them with single products (fp32 accumulation), the forward's `fast` policy.
