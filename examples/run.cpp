@@ -90,9 +90,14 @@ Options parse(int argc, char** argv) {
     else if (k == "--precision") o.precisions = parse_precisions(v);
     else if (k == "--backward") o.backward = std::atoi(v) != 0;
     else if (k == "--check") o.check = std::atoi(v) != 0;
-    else if (k == "--cp") o.cp = std::string(v) == "on" ? FGDN_CONTEXT_PARALLEL_ON
-                               : std::string(v) == "off" ? FGDN_CONTEXT_PARALLEL_OFF
-                                                         : FGDN_CONTEXT_PARALLEL_AUTO;
+    else if (k == "--cp" && (std::string(v) == "on" || std::string(v) == "off" || std::string(v) == "auto"))
+      o.cp = std::string(v) == "on" ? FGDN_CONTEXT_PARALLEL_ON
+           : std::string(v) == "off" ? FGDN_CONTEXT_PARALLEL_OFF
+                                     : FGDN_CONTEXT_PARALLEL_AUTO;
+    else if (k == "--cp") {
+      std::fprintf(stderr, "--cp: expected auto, on or off, got '%s'\n", v);
+      std::exit(2);
+    }
     else if (k == "--cp-segment") o.cp_segment = std::atoll(v);
     else if (k == "--qk-norm" && (std::string(v) == "in_kernel" || std::string(v) == "prenormalized"))
       o.qk_norm_in_kernel = std::string(v) == "in_kernel";
