@@ -129,6 +129,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
+  P.dh_single = p.precision == FGDN_PRECISION_FAST;
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;

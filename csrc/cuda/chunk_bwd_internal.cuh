@@ -48,6 +48,7 @@ struct BwdParams {
   int64_t dh_segment_chunks;
   int32_t dh_phase;   // set by the dh launcher (chunk_bwd_dh.cu)
   int32_t dh_halves;  // 2: a chain's value rows over two CTAs of one warpgroup (bwd_dh_plan.h)
+  int32_t dh_single;  // precision "fast": the dh pass's products single hi*hi (chunk_bwd_dh.cu)
   float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
   int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
