@@ -183,34 +183,36 @@ __device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t 
 }
 
 // ---- the per-chunk kernels' gates ------------------------------------------------------------
-// For chunk ci, value head h: s_beta[t] = beta and s_c[t] = c, the in-chunk cumulative sum (fixed
-// order) of the gates floored at -128 (common/numerics.h; zero past the chunk's tokens), for
-// t < 64. Called by the whole block; s_c and s_beta are visible to every thread on return.
-__device__ __forceinline__ void load_chunk_gates(const BwdParams& P, const ChunkInfo& ci, int64_t h, float* s_c,
-                                                 float* s_beta) {
+// Token tid (< kC) of the chunk: its gate (the in-kernel gate applied) and beta, zero past the
+// chunk. Loaded on their own so that a kernel can issue them before its other loads.
+struct TokenGate {
+  float g = 0.f, b = 0.f;
+};
+__device__ __forceinline__ TokenGate load_token_gate(const BwdParams& P, const ChunkInfo& ci, int64_t h, int tid) {
+  TokenGate x;
+  if (tid < ci.len) {
+    const int64_t t = ci.t0 + tid;
+    const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
+    const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
+    x.g = load_as_float(P.g.data, P.g_dtype, og);
+    if (P.gate_in_kernel) x.g = gate_from_activation(x.g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
+    x.b = load_as_float(P.beta.data, P.beta_dtype, ob);
+  }
+  return x;
+}
+
+// s_c[i] = sum_{j <= i} floor(g_j) (the in-chunk cumulative gate; a reset, g = -inf, keeps the sums
+// finite: common/numerics.h) and s_beta from the threads tid < kC's tokens: a warp scan of each
+// 32 tokens, then the second half adds the first's total (a fixed order: the same bits every
+// run). Every thread of the block calls it (two barriers).
+__device__ __forceinline__ void scan_chunk_gates(const TokenGate& x, float* s_c, float* s_beta) {
   const int tid = threadIdx.x;
   if (tid < kC) {
-    float g = 0.f, b = 0.f;
-    if (tid < ci.len) {
-      const int64_t t = ci.t0 + tid;
-      const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
-      const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
-      g = load_as_float(P.g.data, P.g_dtype, og);
-      if (P.gate_in_kernel)
-        g = gate_from_activation(g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
-      b = load_as_float(P.beta.data, P.beta_dtype, ob);
-    }
-    s_c[tid] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
-    s_beta[tid] = b;
+    s_c[tid] = warp_inclusive_scan(gate_floor(x.g));
+    s_beta[tid] = x.b;
   }
   __syncthreads();
-  if (tid == 0) {
-    float acc = 0.f;
-    for (int i = 0; i < kC; ++i) {
-      acc += s_c[i];
-      s_c[i] = acc;
-    }
-  }
+  if (tid >= 32 && tid < kC) s_c[tid] += s_c[31];
   __syncthreads();
 }
 

@@ -101,6 +101,9 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   auto& S = dynamic_smem_1024<PrepSmem<D, TQ>>();
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC], s_rk[kC], s_rq[kC];
 
+  // The gate inputs first: their (strided) loads fly under the staging's.
+  const TokenGate tg = tid < kC ? load_token_gate(P, ci, h, tid) : TokenGate{};
+
   // ---- staging: V, dO, k, q (16-bit), then Kn and S0 (fp32), the next piece's loads in flight --
   const int64_t lds = P.Hq * D;
   const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
       cur = nxt;
     }
   }
-  load_chunk_gates(P, ci, h, s_c, s_beta);
+  scan_chunk_gates(tg, s_c, s_beta);
   if (tid < kC) {
     s_ec[tid] = expf(s_c[tid]);
     s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
