@@ -186,13 +186,13 @@ if has fwd; then
 fi
 
 if has bwd; then
-  # The backward's development loop (issue 36), one call: its C++ tests, its errors at the default
-  # level and at high (16/64, T = 2048), its times at 16/64 and 2/8 1x32768 at both levels, and
+  # The backward's development loop (issue 36), one call: its C++ tests, its errors at each level
+  # (default, fast, high; 16/64, T = 2048), its times at 16/64 and 2/8 1x32768 at each level, and
   # Nsight Compute's time per kernel of one 16/64 fwd+bwd (when ncu is there). Logs: bwd-* in logs.tar.gz.
   t0=$SECONDS
   "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter='*Backward*:GateReset*' >"$LOG/bwd-tests.log" 2>&1
   note "backward tests (C++)" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$LOG/bwd-tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)"
-  for pr in default high; do
+  for pr in default fast high; do
     "$BUILD/flashgdn_run" --device cuda --T 2048 --Hq 16 --Hv 64 --backward 1 --check 1 --precision $pr \
       >"$LOG/bwd-errors-$pr.log" 2>&1
     note "backward errors, $pr (16/64, T 2048)" "$(grep -E '^\| d' "$LOG/bwd-errors-$pr.log" | tr -s ' ' | tr '\n' ' ')"
