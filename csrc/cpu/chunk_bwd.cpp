@@ -245,12 +245,15 @@ void backward(const Problem& p, const fgdn_bwd_args& a) {
       }
       dc[m - 1] += lf_sum + static_cast<float>(dG) * buf.gamma;
       // dg_i = sum_{l >= i} dc_l (0 through the floor), then through the gate when it is
-      // computed in the kernel
+      // computed in the kernel. The sequence's first gate scales only its initial state: with
+      // none (row < 0) its gradient is exactly zero, which the sum gives only up to float32
+      // cancellation (docs/reliability.md, D1).
       float run = 0.f;
       for (int64_t i = m - 1; i >= 0; --i) {
         run += dc[i];
         const int64_t t = pr.t0 + tc + i;
-        float out = gate_floored(buf.g[sz(i)]) ? 0.f : run;
+        const bool zero_start_gate = row < 0 && tc == 0 && i == 0;
+        float out = gate_floored(buf.g[sz(i)]) || zero_start_gate ? 0.f : run;
         if (gik) {
           const GateGrad gg =
               gate_activation_backward(out, buf.a[sz(i)] + dt_bias, A_log, buf.g[sz(i)]);
