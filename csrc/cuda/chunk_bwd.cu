@@ -53,11 +53,11 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
       S * Hv * C,                      // dc
   };
   // Below `high`, T, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit
-  // values (the inputs' type: the tile kernels that read them stage them so); so does h with
-  // bf16 inputs (bwd::states_in_bf16).
+  // values (the inputs' type: the tile kernels that read them stage them so); so does h at `fast`
+  // with bf16 inputs (bwd::states_in_bf16).
   const bool wide = p.precision == FGDN_PRECISION_HIGH;
   constexpr int kH = 5, kTm = 7, kW = 8, kVn = 9;
-  const bool h16 = bwd::states_in_bf16(wide, p.qkv_dtype);
+  const bool h16 = bwd::states_in_bf16(p.precision == FGDN_PRECISION_FAST, p.qkv_dtype);
   Layout L{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
@@ -129,7 +129,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
-  P.dh_single = p.precision == FGDN_PRECISION_FAST;
+  P.precision_fast = p.precision == FGDN_PRECISION_FAST;
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;

@@ -427,10 +427,10 @@ void launch_split(const BwdParams& P0, cudaStream_t s) {
   FGDN_CHECK_LAUNCH("bwd dh pass (exact segments)");
 }
 
-// `fast` (P.dh_single): single products; otherwise split (bwd::BwdParams::dh_single).
+// `fast` (P.precision_fast): single products; otherwise split.
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
-  if (P.dh_single) launch_split<D, TQ, false>(P, s);
+  if (P.precision_fast) launch_split<D, TQ, false>(P, s);
   else launch_split<D, TQ, true>(P, s);
 }
 

@@ -48,7 +48,8 @@ struct BwdParams {
   int64_t dh_segment_chunks;
   int32_t dh_phase;   // set by the dh launcher (chunk_bwd_dh.cu)
   int32_t dh_halves;  // 2: a chain's value rows over two CTAs of one warpgroup (bwd_dh_plan.h)
-  int32_t dh_single;  // precision "fast": the dh pass's products single hi*hi (chunk_bwd_dh.cu)
+  int32_t precision_fast;  // precision "fast": the dh pass's products single hi*hi (chunk_bwd_dh.cu);
+                          // h in bf16 with bf16 inputs (states_in_bf16)
   float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
   int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
@@ -90,12 +91,14 @@ struct BwdParams {
   uint8_t* img; // [num_chunks * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
 
-// Below `high` with bf16 inputs the chunk-start states h are stored in bf16: their readers there
-// (sm90/bwd_prep.cu, sm90/bwd_dqk.cu) use them only as bf16 tile operands, so storing the
-// rounded value changes no product (dqk's <dS, S0> reads the bf16 values), and halves h's bytes.
+// At `fast` with bf16 inputs the chunk-start states h are stored in bf16 (half h's bytes): the
+// products of sm90/bwd_prep.cu and sm90/bwd_dqk_wy.cu read them as bf16 tile operands at every
+// level below `high`, but dg's term <dS, S0> then sums bf16 values of S0. At `default` that term
+// reads fp32 h: with bf16 h, dg's error on rows of zero keys rose to 1.66e-2 (tests/python/
+// test_extreme.py::test_key_norms_with_l2norm, H100, 2026-11-28; fp32 h passes its 1.2e-2).
 // fp16 inputs keep fp32 h (prep stages h in bf16, dqk in fp16); `high` reads it in fp32.
-__host__ __device__ inline bool states_in_bf16(bool precision_high, int32_t qkv_dtype) {
-  return !precision_high && qkv_dtype == FGDN_BFLOAT16;
+__host__ __device__ inline bool states_in_bf16(bool precision_fast, int32_t qkv_dtype) {
+  return precision_fast && qkv_dtype == FGDN_BFLOAT16;
 }
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {

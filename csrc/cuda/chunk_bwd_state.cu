@@ -55,7 +55,7 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   FGDN_CHECK_LAUNCH("bwd first_rows_kernel");
   // `high`: states within ~5e-6 of the float64 ones keep every gradient at its output's
   // rounding floor; `fast` states would double dq, dk and dg's errors (bench/NOTES.md, "Backward").
-  const bool h16 = states_in_bf16(P.precision_high != 0, P.qkv_dtype);
+  const bool h16 = states_in_bf16(P.precision_fast != 0, P.qkv_dtype);
   sm90::chunk_states(p, in, sm90::Precision::kHigh, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row,
                      fwd_workspace, s);
   const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));

@@ -94,8 +94,10 @@ __device__ __forceinline__ float dot_rows_piece(const tl::Rows16<D>& x, const tl
   return s;
 }
 
-template <int D, typename TQ>
+// kH16: h arrives in bf16 (bwd::states_in_bf16: `fast` with bf16 inputs).
+template <int D, typename TQ, bool kH16>
 __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams P) {
+  static_assert(!kH16 || std::is_same_v<TQ, bf16>, "bf16 states come with bf16 inputs");
   constexpr int kB = D / 64;
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
   uint8_t* dhs = reinterpret_cast<uint8_t*>(A.dh);
   const float* dhg = P.dh + r * D * D;
   float frob = 0.f;
-  if constexpr (std::is_same_v<TQ, bf16>) {
+  if constexpr (kH16) {
     // S0 arrives in bf16 (states_in_bf16) and is copied as it is; the fp32 pieces are Kn, Qn and
     // dS's blocks, each S0 block's rows in registers while dS's block of the same rows is
     // staged, for <dS, S0> (the bf16 values of S0: what the products use).
@@ -434,9 +436,16 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
 void launch_bwd_dqk_wy_sm90(const BwdParams& P, cudaStream_t s) {
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    using Smem = DqkWySmem<C::D, typename C::TQ>;
-    launch_per_chunk(dqk_wy_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
-                     "bwd dqk + wy (sm90)");
+    using TQ = typename C::TQ;
+    using Smem = DqkWySmem<C::D, TQ>;
+    const size_t smem = dynamic_smem_1024_bytes<Smem>();
+    if constexpr (std::is_same_v<TQ, bf16>) {
+      if (states_in_bf16(P.precision_fast != 0, P.qkv_dtype)) {
+        launch_per_chunk(dqk_wy_sm90_kernel<C::D, TQ, true>, tl::kThreads, smem, P, s, "bwd dqk + wy (sm90)");
+        return;
+      }
+    }
+    launch_per_chunk(dqk_wy_sm90_kernel<C::D, TQ, false>, tl::kThreads, smem, P, s, "bwd dqk + wy (sm90)");
   });
 }
 

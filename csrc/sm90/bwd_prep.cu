@@ -85,8 +85,10 @@ struct PrepSmem {
 // Barriers beside __syncthreads (id 0), each within one warpgroup.
 enum class PrepBarrier : uint32_t { kWg0 = 1, kWg1 = 2 };
 
-template <int D, typename TQ>
+// kH16: h arrives in bf16 (bwd::states_in_bf16: `fast` with bf16 inputs).
+template <int D, typename TQ, bool kH16>
 __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P) {
+  static_assert(!kH16 || std::is_same_v<TQ, bf16>, "bf16 states come with bf16 inputs");
   constexpr int kB = D / 64;
   using Im = Images<D>;
   constexpr uint32_t kHalf = kImageStage / 2;
@@ -117,9 +119,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   tl::load_rows16<D>(qg, P.q.s1, len, qr, tid);
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
   tl::load_rows16<D>(dog, P.d_o.s1, len, orr, tid);
-  // S0 = h[chunk]: bf16 in the workspace with bf16 inputs (states_in_bf16), copied as it is;
+  // S0 = h[chunk]: bf16 in the workspace at `fast` with bf16 inputs (kH16), copied as it is;
   // else fp32, rounded here. 64-row blocks of its D rows, D * 128 bytes between column tiles.
-  constexpr bool kH16 = std::is_same_v<TQ, bf16>;
   uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
   if constexpr (kH16) {
     const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
@@ -342,9 +343,16 @@ void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s) {
   launch_bwd_qk_prep(P, s);
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    using Smem = PrepSmem<C::D, typename C::TQ>;
-    launch_per_chunk(prep_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
-                     "bwd prep (sm90)");
+    using TQ = typename C::TQ;
+    using Smem = PrepSmem<C::D, TQ>;
+    const size_t smem = dynamic_smem_1024_bytes<Smem>();
+    if constexpr (std::is_same_v<TQ, bf16>) {
+      if (states_in_bf16(P.precision_fast != 0, P.qkv_dtype)) {
+        launch_per_chunk(prep_sm90_kernel<C::D, TQ, true>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
+        return;
+      }
+    }
+    launch_per_chunk(prep_sm90_kernel<C::D, TQ, false>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
   });
 }
 
