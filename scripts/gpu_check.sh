@@ -116,14 +116,15 @@ if has sanitize-fuzz; then
   # compute-sanitizer on a fuzzed sample of calls (issue 38 item 5): the harness of the fuzz step,
   # SANITIZE_FUZZ_CASES small cases (<= 130 tokens) under each tool, only flashgdn's kernels
   # instrumented (kernel names containing "flashgdn"; torch's own kernels run unchecked).
-  # synccheck is left out: it aborts on the forward's known divergent named barrier
-  # (fwd_row_norms.cuh, bench/results/h100-2026-11-27/reliability.md). Not in the default steps.
+  # synccheck too: it aborted on the forward's kGateNorm barrier reached by a diverged warp
+  # (bench/results/h100-2026-11-27/reliability.md) until both warps reconverged before it
+  # (fwd_row_norms.cuh, fwd_load.cuh). Not in the default steps.
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   [ -n "${PKG_INSTALLED:-}" ] ||
     $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
   PKG_INSTALLED=1
   SF_SEED=${FUZZ_SEED:-$RANDOM}
-  for tool in memcheck racecheck initcheck; do
+  for tool in memcheck racecheck synccheck initcheck; do
     t0=$SECONDS
     # initcheck is far slower: 40 cases ran past 450 s on an H100 (2026-11-28); it takes 8.
     cases=${SANITIZE_FUZZ_CASES:-40}

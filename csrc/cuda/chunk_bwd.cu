@@ -3,10 +3,9 @@
 //   2. prep    (per chunk)     qn/kn, c, T, W, V_new = U - W h, dvl,  sm90/bwd_prep.cu (fast),
 //                              the reverse pass's bf16 images         chunk_bwd_prep.cu (high)
 //   3. dh      (per sequence)  reverse pass (wgmma): dh, dV_new, dh0  chunk_bwd_dh.cu
-//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     sm90/bwd_dqk.cu (fast),
-//                                                                     chunk_bwd_dqk.cu (high)
-//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         sm90/bwd_wy.cu (fast),
-//                                                                     chunk_bwd_wy.cu (high)
+//   4. dqk     (per chunk)     dq, dk (output/state part), dW, dc     chunk_bwd_dqk.cu (high)
+//   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu (high)
+//   4+5 below `high`: one kernel, dW and dk's part kept on chip       sm90/bwd_dqk_wy.cu
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
 #include "cuda/chunk_bwd.h"
 
@@ -53,16 +52,19 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
       S * Hv * C * D, S * Hv * C * D,  // dqh, dkh (in the shared region)
       S * Hv * C,                      // dc
   };
-  // Below `high`, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit values
-  // (the inputs' type: the tile kernels that read them stage them so).
+  // Below `high`, T, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit
+  // values (the inputs' type: the tile kernels that read them stage them so); so does h at `fast`
+  // with bf16 inputs (bwd::states_in_bf16).
   const bool wide = p.precision == FGDN_PRECISION_HIGH;
-  constexpr int kW = 8, kVn = 9;
+  constexpr int kH = 5, kTm = 7, kW = 8, kVn = 9;
+  const bool h16 = bwd::states_in_bf16(p.precision == FGDN_PRECISION_FAST, p.qkv_dtype);
   Layout L{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
     if (i == kDqh || i == kDkh) continue;
     L.off[i] = o;
-    o += align256(n[i] * ((i == kW || i == kVn) && !wide ? 2 : sizeof(float)));
+    const bool narrow = ((i == kTm || i == kW || i == kVn) && !wide) || (i == kH && h16);
+    o += align256(n[i] * (narrow ? 2 : sizeof(float)));
   }
   L.gpart = o;
   o += align256(S * Hv * 2 * sizeof(float));
@@ -127,6 +129,7 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.has_d_final_state = p.has_d_final_state;
   P.want_dh0 = p.want_dh0;
   P.precision_high = p.precision == FGDN_PRECISION_HIGH;
+  P.precision_fast = p.precision == FGDN_PRECISION_FAST;
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   P.dh_segment_chunks = dp.chunks;
   P.dh_segments = dp.segments;
@@ -173,8 +176,12 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
     std::swap(P.dvn, P.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
   }
   if (any_chunks) {
-    P.precision_high ? bwd::launch_bwd_dqk(P, stream) : bwd::launch_bwd_dqk_sm90(P, stream);
-    P.precision_high ? bwd::launch_bwd_wy(P, stream) : bwd::launch_bwd_wy_sm90(P, stream);
+    if (P.precision_high) {
+      bwd::launch_bwd_dqk(P, stream);
+      bwd::launch_bwd_wy(P, stream);
+    } else {
+      bwd::launch_bwd_dqk_wy_sm90(P, stream);
+    }
     bwd::launch_bwd_reduce(P, stream);
   } else if (P.gate_in_kernel) {
     bwd::launch_bwd_reduce(P, stream);

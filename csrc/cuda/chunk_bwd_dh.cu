@@ -207,7 +207,9 @@ constexpr size_t dh_smem_bytes() {
   return Images<D>::kBytes + 1024;
 }
 
-template <int D, typename TQ>
+// kSplit: every product hi*hi + hi*lo + lo*hi (`default` and `high`); else hi*hi alone and only
+// the images' hi parts copied (`fast`: the forward's policy, one 16-bit product a term).
+template <int D, typename TQ, bool kSplit>
 __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   using Im = Images<D>;
   constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
@@ -230,16 +232,25 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   const uint32_t img_addr = sm90::smem_addr(img);
 
   const auto slot_row = [&](int64_t j) { return chunk_slot(P.seq, n, j, si.t0) * P.Hv + h; };
-  const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j
-    k_full.arrive_expect_tx(Im::kKBytes);
-    sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, Im::kKBytes, &k_full);
+  const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j (hi + lo, or hi)
+    constexpr uint32_t bytes = kSplit ? Im::kKBytes : Im::kKPart;
+    k_full.arrive_expect_tx(bytes);
+    sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, bytes, &k_full);
   };
   // One thread: QW and dOt of chunk j; the R walk takes QW only, its dOt zero from the start (so
-  // that its dO^T Q~ adds exact zeros: no branch among the products).
+  // that its dO^T Q~ adds exact zeros: no branch among the products). Without kSplit the hi
+  // parts alone, QW's and dOt's (two copies: the lo parts lie between them).
   const uint32_t qwo_bytes = walk.zero_inputs ? Im::kO - Im::kQW : Im::kQWOBytes;
   const auto load_qwo = [&](int64_t j) {
-    qwo_full.arrive_expect_tx(qwo_bytes);
-    sm90::bulk_load(img + Im::kQW, P.img + slot_row(j) * Im::kBytes + Im::kQW, qwo_bytes, &qwo_full);
+    const uint8_t* src = P.img + slot_row(j) * Im::kBytes;
+    if constexpr (kSplit) {
+      qwo_full.arrive_expect_tx(qwo_bytes);
+      sm90::bulk_load(img + Im::kQW, src + Im::kQW, qwo_bytes, &qwo_full);
+    } else {
+      qwo_full.arrive_expect_tx(Im::kQWPart + (walk.zero_inputs ? 0u : Im::kOPart));
+      sm90::bulk_load(img + Im::kQW, src + Im::kQW, Im::kQWPart, &qwo_full);
+      if (!walk.zero_inputs) sm90::bulk_load(img + Im::kO, src + Im::kO, Im::kOPart, &qwo_full);
+    }
   };
   if (tid == 0) {
     k_full.init(1);
@@ -309,8 +320,10 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     for (int ks = 0; ks < D / 16; ++ks) {
       const uint32_t b = img_addr + Im::kK + (ks / 4) * 64 * 128 + (ks % 4) * 32;
       const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kKPart);
-      sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sl[ks], bh, 1);
-      sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sh[ks], bl, 1);
+      if constexpr (kSplit) {
+        sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sl[ks], bh, 1);
+        sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sh[ks], bl, 1);
+      }
       sm90::wgmma_rs_n64<__nv_bfloat16, 0>(Vn, sh[ks], bh, 1);
     }
     sm90::wgmma_commit();
@@ -344,16 +357,20 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
       const uint32_t b = img_addr + Im::kQW + ks * 32;
       const uint64_t ah = sm90::desc_k_major(a), al = sm90::desc_k_major(a + Im::kOPart);
       const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kQWPart);
-      if constexpr (!std::is_same_v<TQ, __nv_bfloat16>) acc_ss<kB>(S, al, bh);  // bf16 dO: lo = 0
-      acc_ss<kB>(S, ah, bl);
+      if constexpr (kSplit) {
+        if constexpr (!std::is_same_v<TQ, __nv_bfloat16>) acc_ss<kB>(S, al, bh);  // bf16 dO: lo = 0
+        acc_ss<kB>(S, ah, bl);
+      }
       acc_ss<kB>(S, ah, bh);
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {  // dV_new^T (-W): A = dV_new^T in registers, B = QW tile 1
       const uint32_t b = img_addr + Im::kQW + Im::kQWTile + ks * 32;
       const uint64_t bh = sm90::desc_k_major(b), bl = sm90::desc_k_major(b + Im::kQWPart);
-      acc_rs<kB>(S, vl[ks], bh);
-      acc_rs<kB>(S, vh[ks], bl);
+      if constexpr (kSplit) {
+        acc_rs<kB>(S, vl[ks], bh);
+        acc_rs<kB>(S, vh[ks], bl);
+      }
       acc_rs<kB>(S, vh[ks], bh);
     }
     sm90::wgmma_commit();
@@ -385,29 +402,36 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
 
 // Unsplit: one launch (phase 0). Split: phase 1 (two CTAs a segment: N or the certified walk,
 // and R), the scan, phase 2 (a CTA a segment).
-template <int D, typename TQ>
-void launch_typed(DimType<D, TQ>, const BwdParams& P0, cudaStream_t s) {
-  set_dynamic_smem(dh_kernel<D, TQ>, dh_smem_bytes<D>());
+template <int D, typename TQ, bool kSplit>
+void launch_split(const BwdParams& P0, cudaStream_t s) {
+  set_dynamic_smem(dh_kernel<D, TQ, kSplit>, dh_smem_bytes<D>());
   BwdParams P = P0;
   if (P.dh_segments <= 1) {
     P.dh_phase = 0;
     const int halves = D == 128 ? P.dh_halves : 1;
     P.dh_halves = halves;
-    dh_kernel<D, TQ><<<dim3(P.N, P.Hv * halves, 1), D * 2 / halves, dh_smem_bytes<D>(), s>>>(P);
+    dh_kernel<D, TQ, kSplit><<<dim3(P.N, P.Hv * halves, 1), D * 2 / halves, dh_smem_bytes<D>(), s>>>(P);
     FGDN_CHECK_LAUNCH("bwd dh pass");
     return;
   }
   P.dh_phase = 1;
   P.dh_halves = 1;
-  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, 2 * P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
+  dh_kernel<D, TQ, kSplit><<<dim3(P.N, P.Hv, 2 * P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass (segments)");
   constexpr size_t kScanSmem = 2 * D * D * sizeof(float);
   set_dynamic_smem(dh_scan_kernel<D>, kScanSmem);
   dh_scan_kernel<D><<<dim3(P.N, P.Hv), 256, kScanSmem, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh scan");
   P.dh_phase = 2;
-  dh_kernel<D, TQ><<<dim3(P.N, P.Hv, P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
+  dh_kernel<D, TQ, kSplit><<<dim3(P.N, P.Hv, P.dh_segments), D * 2, dh_smem_bytes<D>(), s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dh pass (exact segments)");
+}
+
+// `fast` (P.precision_fast): single products; otherwise split.
+template <int D, typename TQ>
+void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
+  if (P.precision_fast) launch_split<D, TQ, false>(P, s);
+  else launch_split<D, TQ, true>(P, s);
 }
 
 }  // namespace

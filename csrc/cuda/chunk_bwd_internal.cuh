@@ -48,6 +48,8 @@ struct BwdParams {
   int64_t dh_segment_chunks;
   int32_t dh_phase;   // set by the dh launcher (chunk_bwd_dh.cu)
   int32_t dh_halves;  // 2: a chain's value rows over two CTAs of one warpgroup (bwd_dh_plan.h)
+  int32_t precision_fast;  // precision "fast": the dh pass's products single hi*hi (chunk_bwd_dh.cu);
+                          // h in bf16 with bf16 inputs (states_in_bf16)
   float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
   int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
@@ -73,9 +75,10 @@ struct BwdParams {
   float* rk;    // [num_chunks * 64, Hq]
   float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
   float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
-                //                           spare row: chunk_bwd_state.cu)
+                //                           spare row: chunk_bwd_state.cu); bf16 where
+                //                           states_in_bf16 (below)
   float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
-  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}
+  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}; in the inputs' type below `high`
   float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
   float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
   float* dvn;   // [num_chunks * Hv, 64, D]  local dv (dvl); after the dh pass, dV_new
@@ -87,6 +90,16 @@ struct BwdParams {
   float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
   uint8_t* img; // [num_chunks * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
+
+// At `fast` with bf16 inputs the chunk-start states h are stored in bf16 (half h's bytes): the
+// products of sm90/bwd_prep.cu and sm90/bwd_dqk_wy.cu read them as bf16 tile operands at every
+// level below `high`, but dg's term <dS, S0> then sums bf16 values of S0. At `default` that term
+// reads fp32 h: with bf16 h, dg's error on rows of zero keys rose to 1.66e-2 (tests/python/
+// test_extreme.py::test_key_norms_with_l2norm, H100, 2026-11-28; fp32 h passes its 1.2e-2).
+// fp16 inputs keep fp32 h (prep stages h in bf16, dqk in fp16); `high` reads it in fp32.
+__host__ __device__ inline bool states_in_bf16(bool precision_fast, int32_t qkv_dtype) {
+  return precision_fast && qkv_dtype == FGDN_BFLOAT16;
+}
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
   return b * t.s0 + tok * t.s1 + h * t.s2;
@@ -173,34 +186,36 @@ __device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t 
 }
 
 // ---- the per-chunk kernels' gates ------------------------------------------------------------
-// For chunk ci, value head h: s_beta[t] = beta and s_c[t] = c, the in-chunk cumulative sum (fixed
-// order) of the gates floored at -128 (common/numerics.h; zero past the chunk's tokens), for
-// t < 64. Called by the whole block; s_c and s_beta are visible to every thread on return.
-__device__ __forceinline__ void load_chunk_gates(const BwdParams& P, const ChunkInfo& ci, int64_t h, float* s_c,
-                                                 float* s_beta) {
+// Token tid (< kC) of the chunk: its gate (the in-kernel gate applied) and beta, zero past the
+// chunk. Loaded on their own so that a kernel can issue them before its other loads.
+struct TokenGate {
+  float g = 0.f, b = 0.f;
+};
+__device__ __forceinline__ TokenGate load_token_gate(const BwdParams& P, const ChunkInfo& ci, int64_t h, int tid) {
+  TokenGate x;
+  if (tid < ci.len) {
+    const int64_t t = ci.t0 + tid;
+    const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
+    const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
+    x.g = load_as_float(P.g.data, P.g_dtype, og);
+    if (P.gate_in_kernel) x.g = gate_from_activation(x.g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
+    x.b = load_as_float(P.beta.data, P.beta_dtype, ob);
+  }
+  return x;
+}
+
+// s_c[i] = sum_{j <= i} floor(g_j) (the in-chunk cumulative gate; a reset, g = -inf, keeps the sums
+// finite: common/numerics.h) and s_beta from the threads tid < kC's tokens: a warp scan of each
+// 32 tokens, then the second half adds the first's total (a fixed order: the same bits every
+// run). Every thread of the block calls it (two barriers).
+__device__ __forceinline__ void scan_chunk_gates(const TokenGate& x, float* s_c, float* s_beta) {
   const int tid = threadIdx.x;
   if (tid < kC) {
-    float g = 0.f, b = 0.f;
-    if (tid < ci.len) {
-      const int64_t t = ci.t0 + tid;
-      const int64_t og = ci.b * P.g.s0 + t * P.g.s1 + h * P.g.s2;
-      const int64_t ob = ci.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2;
-      g = load_as_float(P.g.data, P.g_dtype, og);
-      if (P.gate_in_kernel)
-        g = gate_from_activation(g + (P.has_dt_bias ? P.dt_bias[h] : 0.f), P.A_log[h]);
-      b = load_as_float(P.beta.data, P.beta_dtype, ob);
-    }
-    s_c[tid] = gate_floor(g);  // a reset (g = -inf) keeps the sums finite (common/numerics.h)
-    s_beta[tid] = b;
+    s_c[tid] = warp_inclusive_scan(gate_floor(x.g));
+    s_beta[tid] = x.b;
   }
   __syncthreads();
-  if (tid == 0) {
-    float acc = 0.f;
-    for (int i = 0; i < kC; ++i) {
-      acc += s_c[i];
-      s_c[i] = acc;
-    }
-  }
+  if (tid >= 32 && tid < kC) s_c[tid] += s_c[31];
   __syncthreads();
 }
 
@@ -281,10 +296,9 @@ void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
 void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)
 void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass: dh, dV_new, dh0
-void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc
-void launch_bwd_dqk_sm90(const BwdParams& P, cudaStream_t s);   // the same at `fast` (sm90/bwd_dqk.cu)
-void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part)
-void launch_bwd_wy_sm90(const BwdParams& P, cudaStream_t s);    // the same at `fast` (sm90/bwd_wy.cu)
+void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc (`high`)
+void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part; `high`)
+void launch_bwd_dqk_wy_sm90(const BwdParams& P, cudaStream_t s);  // both below `high` (sm90/bwd_dqk_wy.cu)
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg, dA_log
 
 }  // namespace flashgdn::cuda::bwd

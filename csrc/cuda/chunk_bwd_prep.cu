@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   __shared__ float s_T[kC * kLd];
 
   const int tid = threadIdx.x;
-  load_chunk_gates(P, ci, h, s_c, s_beta);
+  scan_chunk_gates(threadIdx.x < kC ? load_token_gate(P, ci, h, threadIdx.x) : TokenGate{}, s_c, s_beta);
   if (tid < kC) {
     s_ec[tid] = expf(s_c[tid]);
     P.cg[r * kC + tid] = s_c[tid];

@@ -80,7 +80,14 @@ __global__ void __launch_bounds__(kC) gate_kernel(BwdParams P) {
     const float raw = load_as_float(P.g.data, P.g_dtype, og);
     const float x = raw + (P.gate_in_kernel && P.has_dt_bias ? P.dt_bias[h] : 0.f);
     const float g = P.gate_in_kernel ? gate_from_activation(x, P.A_log[h]) : raw;
-    float dg = gate_floored(g) ? 0.f : s_dg[i];
+    // The sequence's first gate scales only its initial state: with none its gradient is exactly
+    // zero, which the sum gives only up to float32 cancellation (docs/reliability.md, D1).
+    bool zero_start_gate = false;
+    if (ci.j == 0 && i == 0) {
+      zero_start_gate = !P.has_initial_state ||
+                        (P.has_state_indices && load_index(P.state_indices, P.idx_dtype, ci.n) < 0);
+    }
+    float dg = gate_floored(g) || zero_start_gate ? 0.f : s_dg[i];
     if (P.gate_in_kernel) {
       const GateGrad gg = gate_activation_backward(dg, x, P.A_log[h], g);
       pa = gg.dA_log;  // dg * g

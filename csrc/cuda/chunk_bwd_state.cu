@@ -20,7 +20,9 @@ __global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
 }
 
 // h[slot(n, 0)] = the initial state of sequence n in [K, V] order (its pool row, read exactly in
-// its dtype; zero without one or for a negative index). One block per (sequence, value head).
+// its dtype; zero without one or for a negative index), in h's dtype (states_in_bf16: rounded to
+// nearest, as the states pass rounds its rows). One block per (sequence, value head).
+template <typename TH>
 __global__ void start_states_kernel(BwdParams P) {
   const int64_t n = blockIdx.x, h = blockIdx.y;
   const SeqInfo si = seq_info(P.seq, n);
@@ -28,7 +30,7 @@ __global__ void start_states_kernel(BwdParams P) {
   int64_t row = -1;
   if (P.has_initial_state) row = P.has_state_indices ? load_index(P.state_indices, P.idx_dtype, n) : n;
   const int64_t D = P.D;
-  float* out = P.h + (chunk_slot(P.seq, n, 0, si.t0) * P.Hv + h) * D * D;
+  TH* out = reinterpret_cast<TH*>(P.h) + (chunk_slot(P.seq, n, 0, si.t0) * P.Hv + h) * D * D;
   for (int64_t e = threadIdx.x; e < D * D; e += blockDim.x) {
     const int64_t a = e / D, v = e % D;
     float x = 0.f;
@@ -36,7 +38,7 @@ __global__ void start_states_kernel(BwdParams P) {
       const int64_t base = row * P.h0.s0 + h * P.h0.s1;
       x = load_as_float(P.h0.data, P.h0.dtype, P.state_v_first ? base + v * P.h0.s2 + a : base + a * P.h0.s2 + v);
     }
-    out[e] = x;
+    out[e] = from_float<TH>(x);
   }
 }
 
@@ -53,8 +55,12 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   FGDN_CHECK_LAUNCH("bwd first_rows_kernel");
   // `high`: states within ~5e-6 of the float64 ones keep every gradient at its output's
   // rounding floor; `fast` states would double dq, dk and dg's errors (bench/NOTES.md, "Backward").
-  sm90::chunk_states(p, in, sm90::Precision::kHigh, P.h, first_row, fwd_workspace, s);
-  start_states_kernel<<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
+  const bool h16 = states_in_bf16(P.precision_fast != 0, P.qkv_dtype);
+  sm90::chunk_states(p, in, sm90::Precision::kHigh, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row,
+                     fwd_workspace, s);
+  const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));
+  if (h16) start_states_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(P);
+  else start_states_kernel<float><<<grid, 256, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd start_states_kernel");
 }
 

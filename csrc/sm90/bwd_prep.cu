@@ -85,8 +85,10 @@ struct PrepSmem {
 // Barriers beside __syncthreads (id 0), each within one warpgroup.
 enum class PrepBarrier : uint32_t { kWg0 = 1, kWg1 = 2 };
 
-template <int D, typename TQ>
+// kH16: h arrives in bf16 (bwd::states_in_bf16: `fast` with bf16 inputs).
+template <int D, typename TQ, bool kH16>
 __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P) {
+  static_assert(!kH16 || std::is_same_v<TQ, bf16>, "bf16 states come with bf16 inputs");
   constexpr int kB = D / 64;
   using Im = Images<D>;
   constexpr uint32_t kHalf = kImageStage / 2;
@@ -101,6 +103,9 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   auto& S = dynamic_smem_1024<PrepSmem<D, TQ>>();
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC], s_rk[kC], s_rq[kC];
 
+  // The gate inputs first: their (strided) loads fly under the staging's.
+  const TokenGate tg = tid < kC ? load_token_gate(P, ci, h, tid) : TokenGate{};
+
   // ---- staging: V, dO, k, q (16-bit), then Kn and S0 (fp32), the next piece's loads in flight --
   const int64_t lds = P.Hq * D;
   const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
@@ -114,25 +119,45 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   tl::load_rows16<D>(qg, P.q.s1, len, qr, tid);
   tl::load_rows16<D>(vg, P.v.s1, len, vr, tid);
   tl::load_rows16<D>(dog, P.d_o.s1, len, orr, tid);
-  const float* hg = P.h + r * D * D;
-  constexpr int kPieces = 1 + kB;
-  const auto piece = [&](int i) -> tl::PieceSrc {
-    if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
-    return {hg + 64 * (i - 1) * D, D, reinterpret_cast<uint8_t*>(S.h) + 64 * (i - 1) * 128, D * 128};
-  };
-  tl::Piece<D> cur, nxt;
-  tl::load_piece<D>(piece(0), cur, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
-  tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+  // S0 = h[chunk]: bf16 in the workspace at `fast` with bf16 inputs (kH16), copied as it is;
+  // else fp32, rounded here. 64-row blocks of its D rows, D * 128 bytes between column tiles.
+  uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
+  if constexpr (kH16) {
+    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
+    tl::Rows16<D> hr[kB];
 #pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
-    tl::store_piece<D, bf16>(piece(i), cur, tid);
-    cur = nxt;
+    for (int b = 0; b < kB; ++b) tl::load_rows16<D>(hg + 64 * b * D, D, 64, hr[b], tid);
+    const tl::PieceSrc kp{kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+    tl::Piece<D> kv;
+    tl::load_piece<D>(kp, kv, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+#pragma unroll
+    for (int b = 0; b < kB; ++b) tl::store_rows16<D>(hs + 64 * b * 128, hr[b], tid, D * 128);
+    tl::store_piece<D, bf16>(kp, kv, tid);
+  } else {
+    const float* hg = P.h + r * D * D;
+    constexpr int kPieces = 1 + kB;
+    const auto piece = [&](int i) -> tl::PieceSrc {
+      if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
+      return {hg + 64 * (i - 1) * D, D, hs + 64 * (i - 1) * 128, D * 128};
+    };
+    tl::Piece<D> cur, nxt;
+    tl::load_piece<D>(piece(0), cur, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.kr), kr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.qr), qr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.v), vr, tid);
+    tl::store_rows16<D>(reinterpret_cast<uint8_t*>(S.o), orr, tid);
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      if (i + 1 < kPieces) tl::load_piece<D>(piece(i + 1), nxt, tid);
+      tl::store_piece<D, bf16>(piece(i), cur, tid);
+      cur = nxt;
+    }
   }
-  load_chunk_gates(P, ci, h, s_c, s_beta);
+  scan_chunk_gates(tg, s_c, s_beta);
   if (tid < kC) {
     s_ec[tid] = expf(s_c[tid]);
     s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
@@ -191,11 +216,11 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     const auto sync = [] { sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup); };
     sync();
     sm90::invert_chunk<true>(S.u.at, wtid >> 5, tid & 31, sync);
-    float* Tg = P.Tm + r * kC * kC;
+    TQ* Tg = reinterpret_cast<TQ*>(P.Tm) + r * kC * kC;  // in the inputs' type: wy's tiles
     for (int e = wtid; e < kC * kC / 2; e += tl::kWarpgroup) {  // pairs (i, j), (i, j + 1)
       const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
       const float2 t = *reinterpret_cast<const float2*>(&S.u.at.tf[i][j]);
-      *reinterpret_cast<float2*>(Tg + i * kC + j) = t;
+      *reinterpret_cast<uint32_t*>(Tg + i * kC + j) = cuda::pack2<TQ>(t.x, t.y);
       tl::put2<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t.x * s_beta[j] * s_ec[j],
                      t.y * s_beta[j + 1] * s_ec[j + 1]);
       tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * s_beta[j], t.y * s_beta[j + 1]);
@@ -318,9 +343,16 @@ void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s) {
   launch_bwd_qk_prep(P, s);
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    using Smem = PrepSmem<C::D, typename C::TQ>;
-    launch_per_chunk(prep_sm90_kernel<C::D, typename C::TQ>, tl::kThreads, dynamic_smem_1024_bytes<Smem>(), P, s,
-                     "bwd prep (sm90)");
+    using TQ = typename C::TQ;
+    using Smem = PrepSmem<C::D, TQ>;
+    const size_t smem = dynamic_smem_1024_bytes<Smem>();
+    if constexpr (std::is_same_v<TQ, bf16>) {
+      if (states_in_bf16(P.precision_fast != 0, P.qkv_dtype)) {
+        launch_per_chunk(prep_sm90_kernel<C::D, TQ, true>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
+        return;
+      }
+    }
+    launch_per_chunk(prep_sm90_kernel<C::D, TQ, false>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
   });
 }
 

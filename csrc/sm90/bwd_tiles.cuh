@@ -1,4 +1,4 @@
-// Shared device code of the per-chunk backward kernels on wgmma (bwd_dqk.cu, bwd_wy.cu): one
+// Shared device code of the per-chunk backward kernels on wgmma (bwd_prep.cu, bwd_dqk_wy.cu): one
 // block of two warpgroups per (chunk, value head) stages each operand once into shared memory
 // as 16-bit tiles of the inputs' type T (bf16 | fp16, as the forward's operands) and multiplies
 // them with single products (fp32 accumulation), the forward's `fast` policy.
@@ -111,10 +111,14 @@ __device__ __forceinline__ void load_rows16(const TQ* src, int64_t ld, int len, 
                         : make_uint4(0, 0, 0, 0);
   }
 }
+// tile_bytes: the distance between the 64-column tiles (kTile64 for a 64-row operand; a block of
+// 64 rows of a D-row operand's tiles: D * 128).
 template <int D>
-__device__ __forceinline__ void store_rows16(uint8_t* dst, const Rows16<D>& r, int tid) {
+__device__ __forceinline__ void store_rows16(uint8_t* dst, const Rows16<D>& r, int tid,
+                                             uint32_t tile_bytes = kTile64) {
 #pragma unroll
-  for (int it = 0; it < Items<D>::kCount; ++it) put8(dst, kTile64, Items<D>::row(tid, it), Items<D>::c8(tid, it), r.x[it]);
+  for (int it = 0; it < Items<D>::kCount; ++it)
+    put8(dst, tile_bytes, Items<D>::row(tid, it), Items<D>::c8(tid, it), r.x[it]);
 }
 
 // ---- products ---------------------------------------------------------------------------------

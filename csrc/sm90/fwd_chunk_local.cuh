@@ -63,10 +63,12 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int col) {
 // negated to the local stage's T tile, and A_10, A_32 (left of the diagonal blocks of warps 1
 // and 3) to sm.af for step 2. Warp 3 thus does 4x warp 0's elements (the timeline, bench/NOTES.md:
 // warp 0 gates in ~1000-1700 cycles, warp 3 ends ~300-1300 later).
+// with_p false (a `high` launch without output: fwd_state.cuh): P is neither formed nor stored.
 template <class Tr, class Stage, class Local>
 __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& sm, const Stage& in,
                                               Local& loc, const float (&kk)[32], const float (&qk)[32],
-                                              float (&diag)[2][2][2], int len, int warp, int lane) {
+                                              float (&diag)[2][2][2], int len, int warp, int lane,
+                                              bool with_p) {
   using Tin = typename Tr::Tin;
   const int g8 = lane >> 2, q4 = lane & 3;
   // The column values two blocks ahead of their use: the loads of blocks jj + 2, jj + 3 (issued
@@ -118,10 +120,12 @@ __device__ __forceinline__ void gate_products(const FwdParams& p, FwdSmem<Tr>& s
           diag[nt][h][0] = a0;
           diag[nt][h][1] = a1;
         }
-      uint32_t hi, lo;
-      split_pair<Tin, Tr::kSplitLocal>(p0, p1, hi, lo);
-      *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[0][0][0]) + off) = hi;
-      if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[1][0][0]) + off) = lo;
+      if (with_p) {
+        uint32_t hi, lo;
+        split_pair<Tin, Tr::kSplitLocal>(p0, p1, hi, lo);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[0][0][0]) + off) = hi;
+        if constexpr (Tr::kSplitLocal) *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(&loc.p[1][0][0]) + off) = lo;
+      }
     }
   }
 }
@@ -185,6 +189,8 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
                                                 const WorkItem& w, int32_t c0, int tid_in) {
   using Tin = typename Tr::Tin;
   constexpr uint32_t kBar = static_cast<uint32_t>(FwdBarrier::kChunkLocal);
+  // A `high` launch without output needs no P (fwd_state.cuh: states_only).
+  const bool with_p = Tr::kPrecision != Precision::kHigh || fwd_writes_output(p);
 
   for (int32_t j = 0; j < w.nchunks; ++j) {
     const RingPos<Tr::kInStages> pin(c0 + j);
@@ -203,7 +209,7 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
     {
       float kk[32] = {}, qk[32] = {};
       gram_issue<Tr>(kk, in.qk, 64);
-      gram_issue<Tr>(qk, in.qk, 0);
+      if (with_p) gram_issue<Tr>(qk, in.qk, 0);
       // The local stage is waited for while the grams run: the wait's own latency (~300-500
       // cycles through the loaded shared-memory pipe, even when the stage was released long
       // ago) leaves the chain (bench/NOTES.md).
@@ -212,7 +218,7 @@ __device__ __forceinline__ void fwd_chunk_local(const FwdParams& p, FwdSmem<Tr>&
       fence_regs(kk);
       fence_regs(qk);
       float diag[2][2][2];
-      gate_products<Tr>(p, sm, in, loc, kk, qk, diag, len, warp, lane);
+      gate_products<Tr>(p, sm, in, loc, kk, qk, diag, len, warp, lane, with_p);
       invert_diagonal_block(sm, diag, warp, lane);
     }
     named_barrier_sync(kBar, Tr::kWarpgroupThreads);  // every T_ww; A's blocks left of the diagonal

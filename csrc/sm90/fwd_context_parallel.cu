@@ -93,8 +93,11 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 
 // ---- certificate -----------------------------------------------------------------------------
 // A CTA per (boundary, one of the m = min(grain, window) chunks just before it, up to 32 value
-// heads): the chunk's summed (floored) gate of each head, or +inf where a beta lies outside
-// [0, 2] or the keys are not L2-normalised in the kernel, into t.chunk_gate. Each chunk a window
+// heads): the chunk's summed (floored) gate of each head, or +inf where a token's update is not
+// a contraction, into t.chunk_gate. The update I - beta k k^T has eigenvalues 1 and
+// 1 - beta ||k||^2, so it is one where 0 <= beta ||k||^2 <= 2: with the keys normalised in the
+// kernel (||k|| <= 1) that is beta in [0, 2]; otherwise the CTA reads the keys and tests
+// beta ||k||^2 itself (keys normalised before the call certify as well as in the kernel). Each chunk a window
 // can reach is summed once: a window longer than the grain reads the sums of the boundaries
 // before its own (cp_warm_up), so windows of up to 16 chunks every grain chunks do not read the
 // same tokens several times. The plan walks them. One chunk a CTA spreads a window over up to
@@ -104,14 +107,42 @@ __global__ void __launch_bounds__(kPlanThreads) cp_bounds_kernel(cuda::SeqLayout
 // tokens at once (one coalesced row per load), 8 of the chunk's tokens a warp.
 constexpr int kCertifyThreads = 256, kCertifyWarps = kCertifyThreads / 32, kCertifyWarpTokens = 64 / kCertifyWarps;
 
-// Summed gate and the beta test over the warp's tokens t0 + i, i = sub, sub + step, .. < 8, of
-// head h (sub: the lane's token row, step: the tokens one load covers; with one or two heads a
+// Squared norms of the keys of the warp's tokens t0 + i, i < 8, for key heads hk0 .. hk0 + nk - 1
+// (nk <= 32) into n2[i][j]: a lane a (token, head) row, its K 16-bit elements in 16-byte vectors
+// issued together, summed in fp32 (the kernel's K K^T accumulates in fp32 from the same values).
+template <typename TK>
+__device__ __forceinline__ void key_norms(const FwdParams& p, int64_t b, int64_t t0, int64_t hk0, int nk,
+                                          float (*n2)[32]) {
+  constexpr int kMaxVecs = 128 * 2 / 16;  // K = 128
+  const int vecs = static_cast<int>(p.state_dim) * 2 / 16;
+  for (int r = threadIdx.x & 31; r < kCertifyWarpTokens * nk; r += 32) {
+    const int i = r / nk, j = r % nk;
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const TK*>(p.k) + b * p.ks0 + (t0 + i) * p.ks1 +
+                                                      (hk0 + j) * p.ks2);
+    uint4 u[kMaxVecs];
+#pragma unroll
+    for (int c = 0; c < kMaxVecs; ++c) u[c] = c < vecs ? __ldg(row + c) : make_uint4(0, 0, 0, 0);
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxVecs; ++c) {
+      const TK* e = reinterpret_cast<const TK*>(&u[c]);
+#pragma unroll
+      for (int m = 0; m < 8; ++m) acc = fmaf(cuda::to_float(e[m]), cuda::to_float(e[m]), acc);
+    }
+    n2[i][j] = acc;
+  }
+}
+
+// Summed gate and the contraction test over the warp's tokens t0 + i, i = sub, sub + step, .. < 8,
+// of head h (sub: the lane's token row, step: the tokens one load covers; with one or two heads a
 // load covers more than the warp's 8 tokens and the lanes past them load nothing), with the
 // storage dtypes as template parameters: a run-time dtype switch per load would keep only one
-// load in flight.
+// load in flight. kn2: the squared key norms of this head's q/k head for the warp's 8 tokens
+// (stride 32; nullptr: keys normalised in the kernel, norm <= 1).
 template <typename TG, typename TB>
 __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int sub, int step,
-                                               int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
+                                               int32_t h, float dt_bias, float A_log, const float* kn2, float& g,
+                                               bool& ok) {
   constexpr int kBatch = kCertifyWarpTokens;
   const TG* gp = static_cast<const TG*>(p.g) + b * p.gs0 + h * p.gs2;
   const TB* bp = static_cast<const TB*>(p.beta) + b * p.bs0 + h * p.bs2;
@@ -128,24 +159,28 @@ __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, in
   for (int u = 0; u < kBatch; ++u) {
     if (sub + u * step >= kBatch) continue;
     g += gate_floor(p.gate_in_kernel ? gate_from_activation(gv[u] + dt_bias, A_log) : gv[u]);
-    ok &= (bv[u] >= 0.f) & (bv[u] <= 2.f);
+    const float bk = kn2 != nullptr ? bv[u] * kn2[(sub + u * step) * 32] : bv[u];  // beta ||k||^2
+    ok &= (bv[u] >= 0.f) & (bk <= 2.f);
   }
 }
 
 template <typename TG>
 __device__ __forceinline__ void certify_tokens(const FwdParams& p, int64_t b, int64_t t0, int sub, int step,
-                                               int32_t h, float dt_bias, float A_log, float& g, bool& ok) {
+                                               int32_t h, float dt_bias, float A_log, const float* kn2, float& g,
+                                               bool& ok) {
   switch (p.beta_dtype) {
-    case FGDN_BFLOAT16: return certify_tokens<TG, __nv_bfloat16>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
-    case FGDN_FLOAT16: return certify_tokens<TG, __half>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
-    default: return certify_tokens<TG, float>(p, b, t0, sub, step, h, dt_bias, A_log, g, ok);
+    case FGDN_BFLOAT16:
+      return certify_tokens<TG, __nv_bfloat16>(p, b, t0, sub, step, h, dt_bias, A_log, kn2, g, ok);
+    case FGDN_FLOAT16: return certify_tokens<TG, __half>(p, b, t0, sub, step, h, dt_bias, A_log, kn2, g, ok);
+    default: return certify_tokens<TG, float>(p, b, t0, sub, step, h, dt_bias, A_log, kn2, g, ok);
   }
 }
 
 __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __grid_constant__ FwdParams p,
                                                                       CpTables t, int32_t grain,
                                                                       int32_t per_bound) {
-  __shared__ float warp_gate[kCertifyWarps][32];  // +inf: a beta outside [0, 2]
+  __shared__ float warp_gate[kCertifyWarps][32];  // +inf: an update that is not a contraction
+  __shared__ float key_n2[kCertifyWarps][kCertifyWarpTokens][32];  // without the in-kernel norm
   grid_dependency_wait();  // the boundaries
   launch_dependents();
   const int64_t b = blockIdx.x / per_bound;
@@ -163,9 +198,19 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
   const cuda::SeqInfo si = cuda::seq_info(p.seq, r.x);
   // The chunk's first token (k >= 1 and per_bound <= grain keep it inside the sequence).
   const int64_t t0 = si.t0 + (static_cast<int64_t>(r.y) * grain - per_bound + j) * 64 + warp * kCertifyWarpTokens;
+  // The q/k heads of this CTA's value heads 32 y .. 32 y + heads - 1.
+  const int64_t hk0 = 32 * static_cast<int64_t>(blockIdx.y) / p.group;
+  const float* kn2 = nullptr;
+  if (!p.l2norm) {
+    const int nk = static_cast<int>((32 * static_cast<int64_t>(blockIdx.y) + heads - 1) / p.group - hk0 + 1);
+    if (p.k_dtype == FGDN_FLOAT16) key_norms<__half>(p, si.b, t0, hk0, nk, key_n2[warp]);
+    else key_norms<__nv_bfloat16>(p, si.b, t0, hk0, nk, key_n2[warp]);
+    __syncwarp();
+    if (hl < heads) kn2 = &key_n2[warp][0][h / p.group - hk0];
+  }
   float g = 0.f;
-  bool ok = p.l2norm != 0;
-  if (ok && hl < heads) {
+  bool ok = true;
+  if (hl < heads) {
     float dt_bias = 0.f, A_log = 0.f;
     if (p.gate_in_kernel) {
       dt_bias = p.dt_bias != nullptr ? p.dt_bias[h] : 0.f;
@@ -173,10 +218,10 @@ __global__ void __launch_bounds__(kCertifyThreads) cp_certify_kernel(const __gri
     }
     switch (p.g_dtype) {
       case FGDN_BFLOAT16:
-        certify_tokens<__nv_bfloat16>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok);
+        certify_tokens<__nv_bfloat16>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, kn2, g, ok);
         break;
-      case FGDN_FLOAT16: certify_tokens<__half>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok); break;
-      default: certify_tokens<float>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, g, ok); break;
+      case FGDN_FLOAT16: certify_tokens<__half>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, kn2, g, ok); break;
+      default: certify_tokens<float>(p, si.b, t0, tsub, lanes_t, h, dt_bias, A_log, kn2, g, ok); break;
     }
   }
   for (int m = hw; m < 32; m *= 2) {  // the token lanes of one head

@@ -129,6 +129,18 @@ FwdParams make_params(const Problem& p, const fgdn_fwd_args& a, const Workspace&
     fp.order_q = mq.order;
     fp.order_k = mk.order;
     fp.order_v = mv.order;
+    fp.k_dtype = a.in.k.dtype;
+    if (tile_map_direct(a.in.k)) {
+      fp.k = a.in.k.data;
+      fp.ks0 = a.in.k.strides[0];
+      fp.ks1 = a.in.k.strides[1];
+      fp.ks2 = a.in.k.strides[2];
+    } else {  // tile_map's packed copy: contiguous [B, T, Hq, K]
+      fp.k = ws + wl.k;
+      fp.ks2 = a.in.k.shape[3];
+      fp.ks1 = a.in.k.shape[2] * fp.ks2;
+      fp.ks0 = a.in.k.shape[1] * fp.ks1;
+    }
     if (a.o.data != nullptr && tile_map_direct(a.o)) {
       const TileMap mo = make_tile_map(a.o);
       fp.tma_o = mo.map;
@@ -288,19 +300,19 @@ size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
   return plan(chunk_states_problem(p), chunk_states_args(in)).total;
 }
 
-void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, float* states,
-                  const int64_t* first_row, void* workspace, cudaStream_t stream) {
+void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, void* states,
+                  fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream) {
   if (p.N == 0) return;
   const Problem q = chunk_states_problem(p);
   const fgdn_fwd_args a = chunk_states_args(in);
   const Workspace wl = plan(q, a);
   char* ws = static_cast<char*>(workspace);
   FwdParams fp = make_params(q, a, wl, ws, stream);
-  // states: [rows, Hv, K, V] fp32, row-major whatever the caller's state layout (StateRef's
-  // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3).
+  // states: [rows, Hv, K, V], row-major whatever the caller's state layout (StateRef's
+  // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3), rounded to nearest in bf16.
   const int64_t d = p.K;
   fp.ckpt.data = states;
-  fp.ckpt.dtype = FGDN_FLOAT32;
+  fp.ckpt.dtype = states_dtype;
   fp.ckpt.s0 = p.Hv * d * d;
   fp.ckpt.s1 = d * d;
   fp.ckpt.s2 = p.state_v_first ? 1 : d;

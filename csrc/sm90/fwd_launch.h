@@ -22,10 +22,11 @@ void forward(const Problem& p, const fgdn_fwd_args& a, Precision precision, void
 
 // The backward's chunk-start states: the forward of the same inputs without o or a final state,
 // checkpointing the state after every chunk. Sequence n's state after its chunk j goes to row
-// first_row[n] + j of states ([rows, Hv, K, V] fp32, K-major whatever p.state_v_first says;
-// first_row: [N] on the device). workspace: chunk_states_workspace_bytes(p, in) bytes.
+// first_row[n] + j of states ([rows, Hv, K, V] in states_dtype, fp32 or bf16, K-major whatever
+// p.state_v_first says; first_row: [N] on the device). workspace:
+// chunk_states_workspace_bytes(p, in) bytes.
 size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
-void chunk_states(const Problem& p, const fgdn_inputs& in, Precision precision, float* states,
-                  const int64_t* first_row, void* workspace, cudaStream_t stream);
+void chunk_states(const Problem& p, const fgdn_inputs& in, Precision precision, void* states,
+                  fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream);
 
 }  // namespace flashgdn::sm90

@@ -93,7 +93,9 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
     // loads its columns' values two blocks ahead instead of c2 and fk block by block (each load
     // a round trip through the loaded shared-memory pipe: bench/NOTES.md). Both warps sync on
     // the barrier once a chunk, so neither runs a phase ahead. (log2f: exact to an ulp;
-    // fk = 0 past the chunk gives u = +inf and a factor 2^-inf = 0.)
+    // fk = 0 past the chunk gives u = +inf and a factor 2^-inf = 0.) Converged first: bar.sync
+    // is .aligned, and the mbarrier wait above may release the lanes at different polls.
+    __syncwarp();
     named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), Tr::kGateNormThreads);
     const float2 fk = *reinterpret_cast<const float2*>(&st.fk[2 * lane]);
     *reinterpret_cast<float2*>(&st.u[2 * lane]) =

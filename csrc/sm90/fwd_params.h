@@ -66,6 +66,12 @@ struct FwdParams {
   int32_t gate_in_kernel = 0;
   int32_t l2norm = 0;
   float scale = 1.f;
+  // k as plain memory as well, [B, T, Hq, K] with element strides ks0..2 and K contiguous, 16-byte
+  // aligned rows (the call's tensor where TMA addresses it, else its packed copy), in q's 16-bit
+  // dtype: the certificate reads the key norms from it when the kernel does not normalise them.
+  const void* k = nullptr;
+  int32_t k_dtype = FGDN_BFLOAT16;  // bf16 | fp16
+  int64_t ks0 = 0, ks1 = 0, ks2 = 0;
 
   // o: [B, T, Hv, V], dtype of q, element strides.
   void* o = nullptr;
@@ -87,5 +93,11 @@ struct FwdParams {
   int32_t col_blocks = 1;  // 2: a CTA owns one 64-column block of the value dimension (D = 128,
                            // no CP), the kernel built with FwdTraits::kSplitColumns
 };
+
+// Whether a launch writes output rows (o, or an exact segment's q~): not for the backward's
+// chunk-start states (chunk_states, fwd_launch.cu), whose `high` kernels then skip O's products.
+__host__ __device__ inline bool fwd_writes_output(const FwdParams& p) {
+  return p.o != nullptr || p.cp.corr != nullptr;
+}
 
 }  // namespace flashgdn::sm90

@@ -11,6 +11,10 @@
 //     Vn_L^T = Y_L^T T_LL^T,  Y_H^T += Vn_L^T (-A_HL)^T,  Vn_H^T = Y_H^T T_HH^T
 //   S^T <- decay S^T + (vd (.) Vn^T) K              (B = the K tile read MN-major)
 //   O^T  = of (.) O1^T + Vn^T P^T                   -> o
+//
+// A `high` call without o (the backward's chunk-start states, chunk_states in fwd_launch.cu:
+// states_only) needs none of O's products: X^T = S^T K^T alone (64 x 64), no Vn^T P^T. `fast`
+// kernels never take that branch (it is compiled out of them).
 #pragma once
 
 #include "sm90/fwd_epilogue.cuh"
@@ -69,6 +73,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   using Tin = typename Tr::Tin;
   constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
   constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
+  const bool states_only = Tr::kPrecision == Precision::kHigh && !fwd_writes_output(p);
 
   // ---- initial state ---------------------------------------------------------------------
   // Per-item values used after the chunk loop (the pool row, the checkpoints' first row) are
@@ -119,10 +124,18 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
       uint32_t qk_base = smem_addr(&in.qk[0][0][0]);
       asm volatile("" : "+r"(qk_base));
       wgmma_fence();
+      if (states_only) {  // X^T = S^T K^T: the K rows (64..127) of the stacked tile
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        const uint64_t d = desc_k_major(qk_base + (ks >> 2) * sizeof(in.qk[0]) + (ks & 3) * 32);
-        wgmma_rs_n128<Tin, 0>(o1, xk, sa[ks], d, part > 0 || ks > 0);
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const uint64_t d = desc_k_major(qk_base + (ks >> 2) * sizeof(in.qk[0]) + 64 * 128 + (ks & 3) * 32);
+          wgmma_rs_n64<Tin, 0>(xk, sa[ks], d, part > 0 || ks > 0);
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const uint64_t d = desc_k_major(qk_base + (ks >> 2) * sizeof(in.qk[0]) + (ks & 3) * 32);
+          wgmma_rs_n128<Tin, 0>(o1, xk, sa[ks], d, part > 0 || ks > 0);
+        }
       }
       wgmma_commit();
       if (part == (kSS ? 1 : 0)) sm.local_full[ploc.stage].wait(ploc.phase);
@@ -152,11 +165,13 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
           xk[idx + 1] = t0 + 1 < len ? b.y * (vscale * vv.y - f.y * xk[idx + 1]) : 0.f;
         }
       }
+      if (!states_only) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 f = *reinterpret_cast<const float2*>(&loc.of[8 * jj + 2 * q4]);
+        for (int jj = 0; jj < 8; ++jj) {
+          const float2 f = *reinterpret_cast<const float2*>(&loc.of[8 * jj + 2 * q4]);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) o1[4 * jj + x] *= (x & 1) ? f.y : f.x;
+          for (int x = 0; x < 4; ++x) o1[4 * jj + x] *= (x & 1) ? f.y : f.x;
+        }
       }
     }
 
@@ -200,6 +215,8 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
       uint32_t na[4][4], nl[4][4], da[4][4], dl[4][4];
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
+        // Formed even where states_only skips their products: skipping them too spilled 112 B
+        // in the `high` kernel at D = 128 (nvcc 13.0).
         to_fragments<Tin, kSL>(vn, s, nullptr, na[s], nl[s]);
         to_fragments<Tin, kSL>(vn, s, loc.vd, da[s], dl[s]);
       }
@@ -220,11 +237,13 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
           wgmma_rs_n64<Tin, 1>(S[0], da[s], dk, 1);
           if constexpr (kSL) wgmma_rs_n64<Tin, 1>(S[0], dl[s], dk, 1);
         }
-        const uint64_t dp = desc_k_major(smem_addr(&loc.p[0][0][0]) + s * 32);
-        wgmma_rs_n64<Tin, 0>(o1, na[s], dp, 1);
-        if constexpr (kSL) {
-          wgmma_rs_n64<Tin, 0>(o1, nl[s], dp, 1);
-          wgmma_rs_n64<Tin, 0>(o1, na[s], desc_k_major(smem_addr(&loc.p[kSL ? 1 : 0][0][0]) + s * 32), 1);
+        if (!states_only) {
+          const uint64_t dp = desc_k_major(smem_addr(&loc.p[0][0][0]) + s * 32);
+          wgmma_rs_n64<Tin, 0>(o1, na[s], dp, 1);
+          if constexpr (kSL) {
+            wgmma_rs_n64<Tin, 0>(o1, nl[s], dp, 1);
+            wgmma_rs_n64<Tin, 0>(o1, na[s], desc_k_major(smem_addr(&loc.p[kSL ? 1 : 0][0][0]) + s * 32), 1);
+          }
         }
       }
       wgmma_commit();

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_check.h"
@@ -127,6 +128,14 @@ std::vector<ft::Spec> all_cases() {
     add(s);
     s = with_states(dense_d("T200_D64_h0_bf16_dht_fp32_dh0_fp32", 2, 200, 1, 2, 64));
     s.h0_dt = FGDN_BFLOAT16;
+    add(s);
+  }
+  // precision "fast": the reverse pass's products single (hi * hi), the same bounds.
+  for (auto [nm, D, dt] : {std::tuple{"fast_T1000_Hq1_Hv2_D128_l2norm", 128, FGDN_BFLOAT16},
+                           std::tuple{"fast_varlen_edge_D64_fp16", 64, FGDN_FLOAT16}}) {
+    ft::Spec s = with_states(D == 128 ? dense_d(nm, 1, 1000, 1, 2, D, dt) : varlen_d(nm, cu_edge, 2, 4, D, dt));
+    s.l2norm = true;
+    s.precision = FGDN_PRECISION_FAST;
     add(s);
   }
   return v;

@@ -182,8 +182,8 @@ std::vector<ft::Spec> all_cases() {
 }
 
 // Context parallelism (csrc/sm90/fwd_context_parallel.h) forced on, with segments short enough
-// that these shapes split: exact segments (g = 0 heads, no l2norm), warm-up segments (decaying
-// heads with l2norm), gates just either side of the certificate, pools, checkpoints, varlen
+// that these shapes split: exact segments (g = 0 heads), warm-up segments (decaying heads, keys
+// normalised in the kernel or before the call: unit keys), gates just either side of the certificate, pools, checkpoints, varlen
 // packs where some sequences split and others do not, and the cost model's own choice.
 std::vector<ft::Spec> cp_cases() {
   std::vector<ft::Spec> v;
@@ -199,8 +199,8 @@ std::vector<ft::Spec> cp_cases() {
     s.l2norm = true;  // realistic gates: head 0 exact, the others warm-up
     s.precision = prec;
     add(s, 128);
-    s = with_h0(dense_d("cp_bf16_T1000_Hv8_D128_exact" + tag, 1, 1000, 2, 8, 128));
-    s.precision = prec;  // no l2norm: every segment exact
+    s = with_h0(dense_d("cp_bf16_T1000_Hv8_D128_prenormalized" + tag, 1, 1000, 2, 8, 128));
+    s.precision = prec;  // unit keys, no l2norm: certified from the keys' norms (head 0 exact)
     add(s, 192);
   }
   {

@@ -355,6 +355,42 @@ def test_backward_reverse_cp(gates, l2norm):
         check(key, getattr(on, key), rb[key], c, bounds_for(c.q.dtype)[key], context=f"reverse CP, gates {gates}")
 
 
+def test_cp_refuses_keys_beyond_contraction():
+    """Keys normalised before the call (use_qk_l2norm_in_kernel False) are certified from their
+    norms: the update I - beta k k^T contracts only where 0 <= beta ||k||^2 <= 2. Here every key
+    lies along one direction with ||k||^2 = 2.28, beta = 1 and g = -0.26 a token: one chunk's
+    summed gate (-16.6) would certify a one-chunk warm-up by the gates alone, but each token maps
+    the state's component along k by e^-0.26 (1 - 2.28) = -0.99, so a warm-up would drop ~40% of
+    it (o off by ~20% in a float64 simulation). Forward (segments of 2 chunks) and backward
+    (segments of 16 chunks) must refuse the warm-up and take the exact path: the oracle's result
+    within the usual bounds, and the split calls close to the unsplit ones. At `high`, so that
+    the keys' slow decay (memory ~100 tokens) does not spend the bounds on rounding: the
+    certificate is the same at every level."""
+    c = make_case(lengths=[3000], Hq=1, Hv=2, K=128, V=128, dtype=torch.bfloat16, device=DEV, seed=38)
+    gen = torch.Generator().manual_seed(5)
+    k0 = torch.randn(128, generator=gen)
+    k0 = k0 * (2.28 ** 0.5 / k0.norm())
+    c.k = k0.expand(c.k.shape).to(device=DEV, dtype=c.k.dtype).contiguous()
+    c.beta = torch.ones_like(c.beta)
+    c.g = torch.full_like(c.g, -0.26)
+    kw = dict(c.lowlevel_kwargs(), precision="high")
+    ref = oracle_forward(c)
+    outs = {}
+    for name, cp in (("off", dict(context_parallel=False)), ("on", dict(context_parallel=True, cp_segment=128))):
+        outs[name] = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw, **cp)[:2]
+    torch.cuda.synchronize()
+    for i, key in enumerate(("o", "final_state")):
+        check(key, outs["on"][i], ref[key], c, bounds_for(c.q.dtype)[key], context="CP forced, keys beyond contraction")
+        a, b = outs["off"][i].double(), outs["on"][i].double()
+        assert ((a - b).norm() / a.norm()).item() < 1e-2, f"{key}: CP on against off (a warm-up was taken?)"
+    do = torch.randn(c.v.shape, generator=gen).to(device=DEV, dtype=c.q.dtype)
+    dht = torch.randn(c.initial_state.shape, generator=gen).to(DEV)
+    on = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
+    rb = oracle_backward(c, do, dht)
+    for key in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        check(key, getattr(on, key), rb[key], c, bounds_for(c.q.dtype)[key], context="reverse CP, keys beyond contraction")
+
+
 def test_determinism_100_runs():
     c = _fixed_case()
     first = _fwd_bwd_bits(c)
