@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include <cuda_bf16.h>
@@ -99,6 +100,16 @@ struct BwdParams {
 // fp16 inputs keep fp32 h (prep stages h in bf16, dqk in fp16); `high` reads it in fp32.
 __host__ __device__ inline bool states_in_bf16(bool precision_fast, int32_t qkv_dtype) {
   return precision_fast && qkv_dtype == FGDN_BFLOAT16;
+}
+
+// Calls f(std::bool_constant<kH16>{}), kH16 = whether this call's h is bf16 (states_in_bf16), for
+// the kernels templated on h's type; TQ is the call's q/k/v type (bf16 states need bf16 inputs).
+template <typename TQ, class F>
+void dispatch_states_type(const BwdParams& P, F&& f) {
+  if constexpr (std::is_same_v<TQ, __nv_bfloat16>) {
+    if (states_in_bf16(P.precision_fast != 0, P.qkv_dtype)) return f(std::true_type{});
+  }
+  f(std::false_type{});
 }
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {

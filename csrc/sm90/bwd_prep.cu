@@ -345,14 +345,10 @@ void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s) {
     using C = decltype(c);
     using TQ = typename C::TQ;
     using Smem = PrepSmem<C::D, TQ>;
-    const size_t smem = dynamic_smem_1024_bytes<Smem>();
-    if constexpr (std::is_same_v<TQ, bf16>) {
-      if (states_in_bf16(P.precision_fast != 0, P.qkv_dtype)) {
-        launch_per_chunk(prep_sm90_kernel<C::D, TQ, true>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
-        return;
-      }
-    }
-    launch_per_chunk(prep_sm90_kernel<C::D, TQ, false>, tl::kThreads, smem, P, s, "bwd prep (sm90)");
+    dispatch_states_type<TQ>(P, [&](auto h16) {
+      launch_per_chunk(prep_sm90_kernel<C::D, TQ, decltype(h16)::value>, tl::kThreads,
+                       dynamic_smem_1024_bytes<Smem>(), P, s, "bwd prep (sm90)");
+    });
   });
 }
 
