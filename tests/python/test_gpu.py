@@ -68,8 +68,8 @@ def test_long_sequence_32k():
 
 def test_offsets_beyond_int32():
     """A pack whose last sequence lives past 2^31 elements of v and o (T * Hv * V > 2^31): its
-    output and final state must match the oracle run on that sequence alone. Forward only: the
-    backward's workspace at this size exceeds one GPU's memory."""
+    output and final state must match the oracle run on that sequence alone. The backward of the
+    same kind of pack: test_backward_offsets_beyond_int32."""
     Hq, Hv, D, L = 16, 64, 128, 300
     T = (2**31) // (Hv * D) + 8000  # the last sequence starts past element 2^31 of v
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
@@ -98,6 +98,90 @@ def test_offsets_beyond_int32():
     b = bounds_for(torch.bfloat16)
     check("o", o[:, tail].cpu(), ref["o"], c, b["o"], context="offsets > 2^31")
     check("final_state", ht[1:].cpu(), ref["final_state"], c, b["final_state"], context="offsets > 2^31")
+
+
+# The CUDA backward's workspace at K = V = 128, precision "default": ~5.5 KB per token and value
+# head (docs/design.md: 11.57 GB at 16/64 1x32768 on an H100, 2026-11-28); 6 KiB with a margin.
+BWD_WORKSPACE_PER_TOKEN_HEAD = 6 * 1024
+
+
+def test_backward_offsets_beyond_int32():
+    """Issue 38 (size): the backward of test_offsets_beyond_int32's pack (16/64, D = 128, bf16, the
+    last sequence, 300 tokens, starting past element 2^31 of v, do and dv, and past 2^31 elements
+    of the backward's per-chunk state arrays) through chunk_gated_delta_rule_bwd with context
+    parallelism off, where a sequence's bits do not depend on the other sequences of the call
+    (docs/context-parallel.md, "Batch invariance"). The last sequence's dq, dk, dv, dg, dbeta and
+    dh0 must lie within the oracle's bounds and equal, bit for bit, those of the same sequence run
+    alone (a small call, every offset inside int32); the whole pack's gradients must be finite.
+    Needs ~120 GiB of free GPU memory, mostly the workspace: skips below what the shapes need.
+    Prints the peak of torch's allocator over the backward (docs/reliability.md records it)."""
+    Hq, Hv, D, L = 16, 64, 128, 300
+    T = (2**31) // (Hv * D) + 8000  # the last sequence starts past element 2^31 of v
+    n_qk, n_v, n_gb = T * Hq * D, T * Hv * D, T * Hv
+    # q, k, dq, dk and v, do, dv in bf16; g, beta, dg, dbeta in fp32; the workspace; 1 GiB for the rest.
+    need = 2 * (4 * n_qk + 3 * n_v) + 4 * 4 * n_gb + BWD_WORKSPACE_PER_TOKEN_HEAD * n_gb + 2**30
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory for a {T}-token 16/64 backward "
+                    f"({free / 2**30:.0f} of {total / 2**30:.0f} GiB free)")
+    gen = torch.Generator(device=DEV)
+    gen.seed()
+    seed = gen.initial_seed()
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    k = torch.randn(1, T, Hq, D, generator=gen, **bf)
+    v = torch.randn(1, T, Hv, D, generator=gen, **bf)
+    A = 16 * torch.rand(Hv, generator=gen, device=DEV)
+    A[0] = 0  # one head without decay
+    g = -A * torch.nn.functional.softplus(torch.randn(1, T, Hv, generator=gen, device=DEV) + 1)
+    beta = torch.rand(1, T, Hv, generator=gen, device=DEV)
+    h0 = 0.1 * torch.randn(2, Hv, D, D, generator=gen, device=DEV)
+    do = torch.randn(1, T, Hv, D, generator=gen, **bf)
+    dht = torch.randn(2, Hv, D, D, generator=gen, device=DEV)
+    cu = torch.tensor([0, T - L, T], dtype=torch.int64, device=DEV)
+    assert (T - L) * Hv * D > 2**31
+    kw = dict(use_qk_l2norm_in_kernel=True, context_parallel=False)
+    ctx = f"backward offsets > 2^31, seed {seed}"
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gr = chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                    cu_seqlens_host=cu.cpu(), **kw)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    outputs = sum(x.numel() * x.element_size() for x in gr if x is not None)
+    print(f"\nbackward, varlen T={T} Hq={Hq} Hv={Hv} D={D} (CP off): peak device memory {peak / 2**30:.2f} GiB "
+          f"beyond {base / 2**30:.2f} GiB of inputs, {(peak - outputs) / 2**30:.2f} GiB beyond its outputs "
+          f"({(peak - outputs) / (T * Hv):.0f} bytes per token and value head); seed {seed}")
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name in names[:5]:
+        x = getattr(gr, name)
+        assert bool(torch.isfinite(x).all()), f"{name}: non-finite values in the pack ({ctx})"
+    tail = slice(T - L, T)
+    packed = {name: getattr(gr, name)[:, tail].clone() for name in names[:5]}
+    packed["dh0"] = gr.dh0[1:].clone()
+    small = [x[:, tail].contiguous() for x in (q, k, v, g, beta, do)]
+    h0_1, dht_1 = h0[1:].clone(), dht[1:].clone()
+    del gr, q, k, v, g, beta, do, x
+    torch.cuda.empty_cache()
+    c = make_case(lengths=[L], Hq=Hq, Hv=Hv, K=D, V=D, device="cpu", l2norm=True)  # bookkeeping for check()
+    c.q, c.k, c.v, c.g, c.beta = (x.cpu() for x in small[:5])
+    c.initial_state = h0_1.cpu()
+    rb = oracle_backward(c, small[5].cpu(), dht_1.cpu())
+    b = bounds_for(torch.bfloat16)
+    for name in names:
+        check(name, packed[name], rb[name], c, b[name], context=ctx)
+    cu1 = torch.tensor([0, L], dtype=torch.int64, device=DEV)
+    alone = chunk_gated_delta_rule_bwd(*small, dht_1, initial_state=h0_1, cu_seqlens=cu1,
+                                       cu_seqlens_host=cu1.cpu(), **kw)
+    torch.cuda.synchronize()
+    for name in names:
+        assert torch.equal(packed[name], getattr(alone, name)), (
+            f"{name}: the last sequence's gradients past 2^31 elements differ from the same sequence "
+            f"run alone ({ctx})")
 
 
 def _pool_against_compact(device, P, Hq=1, Hv=2, D=128, lengths=(100, 37)):
