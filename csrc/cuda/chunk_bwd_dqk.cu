@@ -16,11 +16,11 @@ namespace flashgdn::cuda::bwd {
 namespace {
 
 template <int D, typename TQ>
-__global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
+__global__ void __launch_bounds__(kThreads, 2) dqk_kernel(BwdParams P) {
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
-  const ChunkInfo& ci = u.ci;
-  const int64_t h = u.h, hq = u.hq, r = u.r;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls, state_row = u.state_row;
   const int len = u.len;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -39,12 +39,12 @@ __global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
   __syncthreads();
 
   const int64_t lds = P.Hq * D;
-  const float* kn = P.kn + qk_row(P, u.ls, 0, hq) * D;
-  const float* qn = P.qn + qk_row(P, u.ls, 0, hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
   const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
   const float* vng = P.vn + r * kC * D;
   const float* dvg = P.dvn + r * kC * D;
-  const float* hg = P.h + u.state_row * D * D;
+  const float* hg = P.h + state_row * D * D;
   const float* dhg = P.dh + r * D * D;
   float* dqg = P.dqh + r * kC * D;
   float* dkg = P.dkh + r * kC * D;

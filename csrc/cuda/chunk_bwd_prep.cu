@@ -57,8 +57,8 @@ template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
-  const ChunkInfo& ci = u.ci;
-  const int64_t h = u.h, hq = u.hq, r = u.r;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls, state_row = u.state_row;
   const int len = u.len;
 
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC];
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   }
   __syncthreads();
 
-  const float* kn = P.kn + qk_row(P, u.ls, 0, hq) * D;  // row i at kn[i * Hq * D]
-  const float* qn = P.qn + qk_row(P, u.ls, 0, hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;  // row i at kn[i * Hq * D]
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
   const int64_t lds = P.Hq * D;
 
   // A = strict_lower(diag(beta) Kn Kn^T (.) D)
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   // V_new = U - W h: block_gemm gives each thread the same (i, vv) elements of a 64 x D result
   // in both products, so each subtracts from what it wrote itself; the barrier makes W visible.
   __syncthreads();
-  const float* hg = P.h + u.state_row * D * D;
+  const float* hg = P.h + state_row * D * D;
   block_gemm<kC, D, D>(
       [&](int i, int a) { return Wg[i * D + a]; },
       [&](int a, int vv) { return hg[a * D + vv]; },

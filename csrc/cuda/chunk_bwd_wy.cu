@@ -25,8 +25,8 @@ template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) wy_kernel(BwdParams P) {
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
-  const ChunkInfo& ci = u.ci;
-  const int64_t h = u.h, hq = u.hq, r = u.r;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls;
   const int len = u.len;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int kLx = D + 1;
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(BwdParams P) {
   __syncthreads();
 
   const int64_t lds = P.Hq * D;
-  const float* kn = P.kn + qk_row(P, u.ls, 0, hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
   const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
   const float* dvg = P.dvn + r * kC * D;
   const float* dWg = P.W + r * kC * D;
