@@ -169,23 +169,9 @@ FGDN_HOST_DEVICE inline double cp_candidate_steps(const CpCandidateStats& s, int
   return max_c <= L ? -1.0 : cp_steps(s, sum_c, max_c, L, hv, sms, corrected);
 }
 
-// An unsplit run's chunk-step against the model's. The model counts a split run's step; an
-// unsplit run whose items' value columns go to two CTAs (D = 128, 2 N Hv <= SMs: fwd_launch.cu's
-// column split) takes less a chunk. With q and k normalised before the call, ~0.68-0.77 of a
-// split run's step (H100, 2026-11-28: 16/64 1x8192 2.8 against ~4.1 us, 1x32768 2.7 against
-// ~3.5, from CP off 0.367 / 1.392 ms and automatic 0.384 / 1.008 over the model's steps); priced
-// at 1 there, the pre-normalised 1x8192 split and lost 4.6% to CP off (bench/NOTES.md, issue 37).
-// With the in-kernel norm the same ratio is ~0.80-0.86 (0.428 / 1.643 ms off, 0.378 / 1.055
-// automatic), and the model's other constants were fit with 1 there: it stays 1.
-constexpr double kCpUnsplitPrenormColumnRate = 0.75;
-FGDN_HOST_DEVICE inline double cp_unsplit_rate(bool l2norm_in_kernel, int64_t d, int64_t items, int sms) {
-  return !l2norm_in_kernel && d == 128 && 2 * items <= sms ? kCpUnsplitPrenormColumnRate : 1.0;
-}
-
-// What a split must cost less than: kCpMinGain x no split (its steps at `unsplit_rate`).
-FGDN_HOST_DEVICE inline double cp_split_bar(double sum_c, double max_c, double n, double hv, int sms,
-                                            double unsplit_rate) {
-  return kCpMinGain * unsplit_rate * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
+// What a split must cost less than: kCpMinGain x no split.
+FGDN_HOST_DEVICE inline double cp_split_bar(double sum_c, double max_c, double n, double hv, int sms) {
+  return kCpMinGain * cp_unsplit_steps(sum_c, max_c, n, hv, sms);
 }
 
 // The plan's choice from the candidates' costs: the cheapest candidate L that splits
@@ -203,17 +189,17 @@ FGDN_HOST_DEVICE inline int32_t cp_pick_from(const double* cost, const CpCandida
 }
 
 FGDN_HOST_DEVICE inline int32_t cp_pick_chunks(const double* cost, const CpCandidates& cand, double sum_c,
-                                               double max_c, double n, double hv, int sms, double unsplit_rate = 1.0) {
-  return cp_pick_from(cost, cand, cp_split_bar(sum_c, max_c, n, hv, sms, unsplit_rate));
+                                               double max_c, double n, double hv, int sms) {
+  return cp_pick_from(cost, cand, cp_split_bar(sum_c, max_c, n, hv, sms));
 }
 
 FGDN_HOST_DEVICE inline int32_t cp_choose_chunks(const CpCandidateStats* stats, const CpCandidates& cand,
                                                  double sum_c, double max_c, double n, double hv, int sms,
-                                                 bool corrected, double unsplit_rate = 1.0) {
+                                                 bool corrected) {
   double cost[kCpMaxCandidates];
   for (int i = 0; i < cand.count; ++i)
     cost[i] = cp_candidate_steps(stats[i], i, cand, sum_c, max_c, hv, sms, corrected);
-  return cp_pick_chunks(cost, cand, sum_c, max_c, n, hv, sms, unsplit_rate);
+  return cp_pick_chunks(cost, cand, sum_c, max_c, n, hv, sms);
 }
 
 // The CP pipeline's own cost beyond kCpFixedSteps, paid whether or not the plan then splits
@@ -270,14 +256,14 @@ inline double cp_host_split_steps(const CpSeqGroup* groups, int64_t n_groups, do
 }
 
 // What a split must cost less than, from the lengths on the host (cp_split_bar).
-inline double cp_host_bar(const CpSeqGroup* groups, int64_t n_groups, double hv, int sms, double unsplit_rate) {
+inline double cp_host_bar(const CpSeqGroup* groups, int64_t n_groups, double hv, int sms) {
   double sum_c = 0.0, max_c = 0.0, n = 0.0;
   for (int64_t i = 0; i < n_groups; ++i) {
     sum_c += static_cast<double>(groups[i].chunks) * static_cast<double>(groups[i].count);
     max_c = groups[i].chunks > max_c ? static_cast<double>(groups[i].chunks) : max_c;
     n += static_cast<double>(groups[i].count);
   }
-  return cp_split_bar(sum_c, max_c, n, hv, sms, unsplit_rate);
+  return cp_split_bar(sum_c, max_c, n, hv, sms);
 }
 
 // Whether to launch the pipeline at all: the host's price of a split (cp_host_split_steps) must
@@ -292,9 +278,9 @@ inline bool cp_split_pays(double split, double bar) {
   return split >= 0.0 && split + kCpPipelineSteps + kCpScanFixedSteps < bar;
 }
 inline bool cp_pipeline_pays(const CpSeqGroup* groups, int64_t n_groups, double hv, const CpCandidates& cand,
-                             int sms, bool corrected, double unsplit_rate = 1.0) {
+                             int sms, bool corrected) {
   return cp_split_pays(cp_host_split_steps(groups, n_groups, hv, cand, sms, corrected),
-                       cp_host_bar(groups, n_groups, hv, sms, unsplit_rate));
+                       cp_host_bar(groups, n_groups, hv, sms));
 }
 
 // The fine candidate set's price: its 4x boundaries grew the pre-phase by 5-8 us (~2

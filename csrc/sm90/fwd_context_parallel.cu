@@ -408,8 +408,7 @@ __device__ inline PlanView plan_view(const CpTables& t, const PlanStage& st, int
 // capped them at 128 with a 40-byte stack otherwise).
 template <bool kFine>
 __global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayout seq, int32_t hv, int32_t sms,
-                                                                int32_t corrected, double unsplit_rate,
-                                                                CpCandidates cand,
+                                                                int32_t corrected, CpCandidates cand,
                                                                 int32_t window, int64_t max_items, int64_t max_slots,
                                                                 int64_t max_splits, PlanStage stage, CpTables t) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
@@ -496,7 +495,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayou
       const int i = static_cast<int>(threadIdx.x);
       cost[i] = cp_candidate_steps(all.cand[i], i, cand, sum_c, max_c, hv, sms, corrected != 0);
     } else if (threadIdx.x == cand.count) {
-      cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms, unsplit_rate);
+      cost[kCpMaxCandidates] = cp_split_bar(sum_c, max_c, static_cast<double>(N), hv, sms);
     }
     __syncthreads();
     if (threadIdx.x == 0) chosen = cp_pick_from(cost, cand, cost[kCpMaxCandidates]);
@@ -941,7 +940,6 @@ CpLayout cp_layout(const Problem& p, int sms) {
   // decided from the capture's lengths. Without them the set stays the fine one, whose tables
   // bound the coarse one's (boundaries every L_min / 4 chunks, each with up to L_min / 4 sums).
   const bool auto_cp = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO;
-  c.unsplit_rate = cp_unsplit_rate(p.l2norm != 0, p.K, p.N * p.Hv, sms);
   if ((!p.varlen || p.have_host_seqlens) && (auto_cp || c.cand.count > 1)) {
     std::vector<CpSeqGroup> groups;
     if (!p.varlen) {
@@ -962,7 +960,7 @@ CpLayout cp_layout(const Problem& p, int sms) {
         split = coarse_split;
       }
     }
-    if (auto_cp && !cp_split_pays(split, cp_host_bar(groups.data(), n_groups, hv, sms, c.unsplit_rate))) return c;
+    if (auto_cp && !cp_split_pays(split, cp_host_bar(groups.data(), n_groups, hv, sms))) return c;
   }
   c.enabled = true;
   c.window = static_cast<int32_t>(std::min<int64_t>(L, kCertifyMaxChunks));
@@ -1003,8 +1001,7 @@ void launch_cp_plan(const CpLayout& c, const FwdParams& fp, const CpTables& t, c
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kPlanStageBytes)));
   launch_dependent(kernel, dim3(1), dim3(kPlanThreads), stage.fits() ? stage.bytes() : 0, stream, "cp_plan_kernel",
-                   fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.unsplit_rate, c.cand, c.window,
-                   c.max_items,
+                   fp.seq, static_cast<int32_t>(fp.Hv), c.sms, c.corrected ? 1 : 0, c.cand, c.window, c.max_items,
                    c.max_slots, c.max_splits, stage, t);
 }
 

@@ -85,7 +85,6 @@ struct CpLayout {
   // `fast`, no checkpoints, segments short enough that q~ never exceeds the two slot arrays).
   bool corrected = false;
   size_t corr_bytes = 0;
-  double unsplit_rate = 1.0;  // the no-split run's chunk-step against a split's (cp_unsplit_rate)
 };
 
 // p.context_parallel: FGDN_CONTEXT_PARALLEL_OFF never, _ON always, _AUTO when the longest

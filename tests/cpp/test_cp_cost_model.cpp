@@ -36,7 +36,7 @@ std::vector<CpSeqGroup> groups_of(const std::vector<int64_t>& tokens) {
   return groups;
 }
 
-Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms, double unsplit_rate = 1.0) {
+Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms) {
   const int64_t hv = static_cast<int64_t>(s.warm.size());
   int64_t sum_c = 0, max_c = 0;
   std::vector<int64_t> c;
@@ -74,7 +74,7 @@ Choice plan(const Shape& s, bool corrected = false, int sms = kH100Sms, double u
     }
   }
   const double n = static_cast<double>(c.size());
-  r.chunks = cp_choose_chunks(st, cand, double(sum_c), double(max_c), n, double(hv), sms, corrected, unsplit_rate);
+  r.chunks = cp_choose_chunks(st, cand, double(sum_c), double(max_c), n, double(hv), sms, corrected);
   r.unsplit = cp_unsplit_steps(double(sum_c), double(max_c), n, double(hv), sms);
   int chosen = 0;
   while (chosen + 1 < cand.count && cand.chunks(chosen) != r.chunks) ++chosen;
@@ -123,7 +123,7 @@ TEST(CpCostModel, SplitsTheFewChainRowsAsMeasured) {
 struct HostChoice {
   bool runs, corrected, fine;
 };
-HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen, double unsplit_rate = 1.0) {
+HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool varlen) {
   const std::vector<CpSeqGroup> groups = groups_of(tokens);
   int64_t total = 0, slots = 0, longest = 0;
   for (int64_t t : tokens) {
@@ -139,27 +139,8 @@ HostChoice pipeline_pays(const std::vector<int64_t>& tokens, int64_t hv, bool va
   const auto n = static_cast<int64_t>(groups.size());
   const bool fine = cp_fine_pays(groups.data(), n, static_cast<double>(hv), min_chunks, kH100Sms, corrected);
   return {cp_pipeline_pays(groups.data(), n, static_cast<double>(hv), cp_candidates(min_chunks, fine), kH100Sms,
-                           corrected, unsplit_rate),
+                           corrected),
           corrected, fine};
-}
-
-// With q/k normalised before the call, the unsplit run's column-split chunk-step is ~0.75 of a
-// split run's (cp_unsplit_rate): 16/64 1x8192 measured 0.384 ms automatic against 0.367 off
-// pre-normalised, 0.378 against 0.428 with the in-kernel norm (H100, 2026-11-28). Only where the
-// unsplit run splits columns, and only the host's test flips (the plan, once launched, still
-// prices the split under its bar).
-TEST(CpCostModel, PrenormalisedUnsplitRunsAtTheColumnSplitsRate) {
-  EXPECT_EQ(cp_unsplit_rate(true, 128, 64, kH100Sms), 1.0);    // in-kernel norm
-  EXPECT_EQ(cp_unsplit_rate(false, 128, 64, kH100Sms), kCpUnsplitPrenormColumnRate);
-  EXPECT_EQ(cp_unsplit_rate(false, 128, 67, kH100Sms), 1.0);   // 134 CTAs: no column split
-  EXPECT_EQ(cp_unsplit_rate(false, 64, 8, kH100Sms), 1.0);     // D = 64: none
-  const double rate = cp_unsplit_rate(false, 128, 64, kH100Sms);
-  EXPECT_TRUE(pipeline_pays({8192}, 64, false).runs);  // in-kernel: it runs, and won
-  EXPECT_FALSE(pipeline_pays({8192}, 64, false, rate).runs);
-  // 1x32768 still splits pre-normalised (1.008 ms automatic against 1.392 off), as 2/8 does.
-  EXPECT_TRUE(pipeline_pays({32768}, 64, false, rate).runs);
-  EXPECT_NE(plan({{32768}, bench_gates(64)}, false, kH100Sms, rate).chunks, kCpNoSplit);
-  EXPECT_TRUE(pipeline_pays({32768}, 8, false, cp_unsplit_rate(false, 128, 8, kH100Sms)).runs);
 }
 
 TEST(CpCostModel, TheHostSkipsThePipelineWhereNoSplitCanPay) {
