@@ -60,13 +60,15 @@ inline DhPlan dh_plan(const Problem& p, int sms) {
   return d;
 }
 
-// The backward's per-chunk workspace (chunk_bwd.cu: ~290 KB a chunk slot and value head at
+// The backward's per-chunk workspace (chunk_bwd.cu: ~270 KB a chunk slot and value head at
 // D = 128, K = V) holds one block of chunk slots at a time; the launcher walks the blocks last
 // first, and only the chunk-start states span every slot. A block is at least kBlockBytes of
-// that workspace and at least four waves of the per-chunk grids (4 SMs / Hv slots), so that
-// blocking adds a few launches a block and no tail worth a wave. Only with the reverse pass unsplit
-// (DhPlan::segments == 1): its chains carry dS exactly from block to block, so the bits are those
-// of one block; a split pass's warm-ups and scan would reach past a block (not done).
+// that workspace (rounded to the nearest whole number of waves of the per-chunk grids: slots Hv
+// a multiple of the SMs) and four waves of them (4 SMs / Hv slots). The per-chunk kernels run one
+// CTA an SM, so a block's last wave is paid whole (64 slots at 16/64 were 31.03 waves: +1.0 ms
+// over 8 blocks, H200, 2026-11-28). Only with the reverse pass unsplit (DhPlan::segments == 1):
+// its chains carry dS exactly from block to block, so the bits are those of one block; a split
+// pass's warm-ups and scan would reach past a block (not done).
 // forced_slots > 0 (the FLASHGDN_BWD_BLOCK_SLOTS test hook) sets the block's slots.
 constexpr size_t kBlockBytes = size_t{1} << 30;
 
@@ -75,6 +77,8 @@ struct BlockPlan {
   int64_t count = 1;
 };
 
+inline int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
+
 inline BlockPlan block_plan(int64_t total_slots, size_t bytes_per_slot, int64_t Hv, int sms, bool reverse_split,
                             int64_t forced_slots) {
   BlockPlan b;
@@ -82,14 +86,19 @@ inline BlockPlan block_plan(int64_t total_slots, size_t bytes_per_slot, int64_t 
   if (reverse_split || total_slots <= 0) return b;
   int64_t slots = forced_slots;
   if (slots <= 0) {
+    const int64_t hv = std::max<int64_t>(Hv, 1);
     const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / std::max<size_t>(bytes_per_slot, 1));
-    const int64_t by_waves = (4 * static_cast<int64_t>(sms) + Hv - 1) / std::max<int64_t>(Hv, 1);
+    const int64_t by_waves = (4 * static_cast<int64_t>(sms) + hv - 1) / hv;
     slots = std::max<int64_t>({by_bytes, by_waves, 1});
+    const int64_t wave = sms / gcd64(hv, sms);  // slots whose Hv CTAs fill whole waves
+    if (slots >= wave / 2) {  // the nearest whole number of waves, at least the four-wave floor
+      const int64_t near = std::max<int64_t>((slots + wave / 2) / wave, 1) * wave;
+      slots = near >= by_waves ? near : near + wave;
+    }
   }
   if (slots >= total_slots) return b;
+  b.slots = slots;
   b.count = (total_slots + slots - 1) / slots;
-  b.slots = (total_slots + b.count - 1) / b.count;  // the same slots in every block but the last
-  b.count = (total_slots + b.slots - 1) / b.slots;
   return b;
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <random>
 
 #include "cuda/bwd_dh_plan.h"
@@ -116,7 +117,7 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
 }
 
 // The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
-// four waves of the per-chunk grids, or where the reverse pass splits; else blocks of equal slots
+// four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
 // (the last one shorter) that cover every slot.
 TEST(BwdBlockPlan, OneBlockWhenSmallOrSplit) {
   const size_t per_slot = 290 * 1024 * 64;  // D = 128, Hv = 64
@@ -131,11 +132,13 @@ TEST(BwdBlockPlan, OneBlockWhenSmallOrSplit) {
 }
 
 TEST(BwdBlockPlan, SixteenBySixtyFourOneLongSequence) {
-  // 19.0 MB a slot: 1 GiB is 56 slots; 512 slots in 10 blocks of 52 (the last 44).
+  // 17.7 MB a slot: 1 GiB is 60 slots; waves of 132 SMs are 33 slots of 64 heads, so 66: 512
+  // slots in 8 blocks (the last of 50). On 128 SMs a wave is 2 slots: 60.
+  const BlockPlan b = block_plan(512, 270 * 1024 * 64, 64, 132, false, 0);
+  EXPECT_EQ(b.count, 8);
+  EXPECT_EQ(b.slots, 66);
+  EXPECT_EQ(block_plan(512, 270 * 1024 * 64, 64, 128, false, 0).slots, 60);
   const size_t per_slot = 290 * 1024 * 64;
-  const BlockPlan b = block_plan(512, per_slot, 64, 132, false, 0);
-  EXPECT_EQ(b.count, 10);
-  EXPECT_EQ(b.slots, 52);
   const BlockPlan f = block_plan(512, per_slot, 64, 132, false, 5);
   EXPECT_EQ(f.slots, 5);
   EXPECT_EQ(f.count, 103);
@@ -159,10 +162,11 @@ TEST(BwdBlockPlan, RandomSizesCoverEverySlot) {
     if (forced > 0) {
       ASSERT_LE(b.slots, forced);
     } else {
-      // no more than the larger of the two floors: 1 GiB, four waves a launch
-      const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / per_slot), by_waves = (4 * sms + Hv - 1) / Hv;
-      ASSERT_LE(b.slots, std::max<int64_t>({by_bytes, by_waves, 1}));
-      ASSERT_GE(2 * b.slots * Hv, 4 * sms);  // evened out over the blocks: at least half a floor
+      ASSERT_GE(b.slots * Hv, 4 * sms);
+      const int64_t wave = sms / std::gcd(Hv, static_cast<int64_t>(sms));
+      ASSERT_TRUE(b.slots % wave == 0 || b.slots < wave / 2) << b.slots << " slots, waves of " << wave;
+      const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / per_slot);
+      ASSERT_LE(b.slots, std::max<int64_t>({by_bytes + wave, (4 * sms + Hv - 1) / Hv + wave, 1}));
     }
   }
 }
