@@ -1,7 +1,8 @@
 // The plan of the backward's reverse context parallelism (chunk_bwd_dh.cu runs it): each
 // (sequence, value head) chain of the dh pass cut into `segments` segments of `chunks` chunks,
-// one CTA each (1: no split). Host arithmetic alone, so that the CPU tests check the decision
-// (tests/cpp/test_bwd_dh_plan.cpp) and the launcher keeps only the launches.
+// one CTA each (1: no split); and, at the end, its blocks of chunk slots (chunk_bwd.cu). Host
+// arithmetic alone, so that the CPU tests check the decisions (tests/cpp/test_bwd_dh_plan.cpp)
+// and the launcher keeps only the launches.
 //
 // A fixed cp_segment is taken as it is, but for the floor below (a sequence's bits then depend
 // on nothing else in the call). Automatically, a split happens only when every chain can take
@@ -57,6 +58,48 @@ inline DhPlan dh_plan(const Problem& p, int sms) {
   DhPlan d = dh_plan_segments(p, sms);
   if (d.segments == 1 && p.K == 128 && p.N > 0 && 2 * p.N * p.Hv <= sms) d.halves = 2;
   return d;
+}
+
+// The backward's per-chunk workspace (chunk_bwd.cu: ~270 KB a chunk slot and value head at
+// D = 128, K = V) holds one block of chunk slots at a time; the launcher walks the blocks last
+// first, and only the chunk-start states span every slot. A block is at least kBlockBytes of
+// that workspace (rounded to the nearest whole number of waves of the per-chunk grids: slots Hv
+// a multiple of the SMs) and four waves of them (4 SMs / Hv slots). The per-chunk kernels run one
+// CTA an SM, so a block's last wave is paid whole (64 slots at 16/64 were 31.03 waves: +1.0 ms
+// over 8 blocks, H200, 2026-11-28). Only with the reverse pass unsplit (DhPlan::segments == 1):
+// its chains carry dS exactly from block to block, so the bits are those of one block; a split
+// pass's warm-ups and scan would reach past a block (not done).
+// forced_slots > 0 (the FLASHGDN_BWD_BLOCK_SLOTS test hook) sets the block's slots.
+constexpr size_t kBlockBytes = size_t{1} << 30;
+
+struct BlockPlan {
+  int64_t slots = 0;  // chunk slots a block (the last block may hold fewer)
+  int64_t count = 1;
+};
+
+inline int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
+
+inline BlockPlan block_plan(int64_t total_slots, size_t bytes_per_slot, int64_t Hv, int sms, bool reverse_split,
+                            int64_t forced_slots) {
+  BlockPlan b;
+  b.slots = total_slots;
+  if (reverse_split || total_slots <= 0) return b;
+  int64_t slots = forced_slots;
+  if (slots <= 0) {
+    const int64_t hv = std::max<int64_t>(Hv, 1);
+    const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / std::max<size_t>(bytes_per_slot, 1));
+    const int64_t by_waves = (4 * static_cast<int64_t>(sms) + hv - 1) / hv;
+    slots = std::max<int64_t>({by_bytes, by_waves, 1});
+    const int64_t wave = sms / gcd64(hv, sms);  // slots whose Hv CTAs fill whole waves
+    if (slots >= wave / 2) {  // the nearest whole number of waves, at least the four-wave floor
+      const int64_t near = std::max<int64_t>((slots + wave / 2) / wave, 1) * wave;
+      slots = near >= by_waves ? near : near + wave;
+    }
+  }
+  if (slots >= total_slots) return b;
+  b.slots = slots;
+  b.count = (total_slots + slots - 1) / slots;
+  return b;
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -7,9 +7,13 @@
 //   5. wy      (per chunk)     dv, dbeta, dk and dc (WY part)         chunk_bwd_wy.cu (high)
 //   4+5 below `high`: one kernel, dW and dk's part kept on chip       sm90/bwd_dqk_wy.cu
 //   6. reduce                  dq/dk over GVA + l2norm, dg, dA_log    chunk_bwd_reduce.cu
+// Steps 2-6 run once per block of chunk slots, the last block first (bwd_dh_plan.h, block_plan):
+// the per-chunk workspace holds one block, the states of step 1 every chunk; dA_log and ddt_bias
+// are summed after the last block.
 #include "cuda/chunk_bwd.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "cuda/bwd_dh_plan.h"
@@ -21,9 +25,11 @@ namespace flashgdn::cuda {
 namespace {
 
 struct Layout {
+  bwd::BlockPlan blocks;
   size_t off[14];
   size_t gpart, first_row;  // per-chunk gate sums; chunk_bwd_state.cu's rows
   size_t dh_cp, dh_exact;   // the dh pass's exact-path slots and chain flags (split only)
+  size_t carry[2];          // the dh pass's carries between blocks (blocked only)
   // One region, three tenants whose lives do not overlap (the launches run in order on one
   // stream): the states pass's forward scratch (step 1), the reverse pass's images (written by
   // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
@@ -35,18 +41,32 @@ size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
 static_assert(bwd::kDhChunk == bwd::kC, "the dh plan counts the backward's chunks");
 
-constexpr int kDqh = 11, kDkh = 12;  // indices of dqh and dkh in Layout::off (BwdParams order)
+// Indices in Layout::off (BwdParams order) of h, T, W, V_new, dqh and dkh.
+constexpr int kH = 5, kTm = 7, kW = 8, kVn = 9, kDqh = 11, kDkh = 12;
 
-// Element counts (fp32) of the workspace regions, in BwdParams order, then the shared region.
-Layout make_layout(const Problem& p, const fgdn_inputs& in) {
-  const size_t S = static_cast<size_t>(num_chunk_slots(p));
+// FLASHGDN_BWD_BLOCK_SLOTS=n (n > 0): blocks of n chunk slots (tests; bwd_dh_plan.h).
+int64_t forced_block_slots() {
+  const char* e = std::getenv("FLASHGDN_BWD_BLOCK_SLOTS");
+  return e ? std::max<int64_t>(0, std::atoll(e)) : 0;
+}
+
+// The per-chunk regions of a block of Sb slots, in BwdParams order: offsets from the block's
+// start (h, index 5, excluded: it spans every slot), their end, and the shared region's size
+// without the states pass's scratch.
+struct BlockRegions {
+  size_t off[14];
+  size_t end, dqk_img;
+};
+
+BlockRegions block_regions(const Problem& p, size_t Sb) {
   const size_t D = static_cast<size_t>(p.K), C = bwd::kC;
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
+  const size_t S = Sb;
   const size_t n[14] = {
       S * C * Hq * D, S * C * Hq * D,  // qn, kn
       S * C * Hq, S * C * Hq,          // rq, rk
       S * Hv * C,                      // cg
-      (S + 1) * Hv * D * D, S * Hv * D * D,  // h (one spare row), dh
+      0, S * Hv * D * D,               // h (its own region: make_layout), dh
       S * Hv * C * C,                  // Tm
       S * Hv * C * D, S * Hv * C * D, S * Hv * C * D,  // W, vn, dvn
       S * Hv * C * D, S * Hv * C * D,  // dqh, dkh (in the shared region)
@@ -54,35 +74,59 @@ Layout make_layout(const Problem& p, const fgdn_inputs& in) {
   };
   // Below `high`, T, W's buffer (the dh pass's dV_new, then dqk's dW) and V_new hold 16-bit
   // values (the inputs' type: the tile kernels that read them stage them so); so does h at `fast`
-  // with bf16 inputs (bwd::states_in_bf16).
+  // with bf16 inputs (bwd::states_in_bf16, make_layout).
   const bool wide = p.precision == FGDN_PRECISION_HIGH;
-  constexpr int kH = 5, kTm = 7, kW = 8, kVn = 9;
-  const bool h16 = bwd::states_in_bf16(p.precision == FGDN_PRECISION_FAST, p.qkv_dtype);
-  Layout L{};
+  BlockRegions R{};
   size_t o = 0;
   for (int i = 0; i < 14; ++i) {
-    if (i == kDqh || i == kDkh) continue;
-    L.off[i] = o;
-    const bool narrow = ((i == kTm || i == kW || i == kVn) && !wide) || (i == kH && h16);
+    if (i == kDqh || i == kDkh || i == kH) continue;
+    R.off[i] = o;
+    const bool narrow = (i == kTm || i == kW || i == kVn) && !wide;
     o += align256(n[i] * (narrow ? 2 : sizeof(float)));
   }
+  R.end = o;
+  R.off[kDqh] = 0;
+  R.off[kDkh] = align256(n[kDqh] * sizeof(float));
+  const size_t dqk = R.off[kDkh] + align256(n[kDkh] * sizeof(float));
+  const size_t img = align256(S * Hv * (D == 128 ? bwd::Images<128>::kBytes : bwd::Images<64>::kBytes));
+  R.dqk_img = std::max(dqk, img);
+  return R;
+}
+
+// The workspace: the block's per-chunk regions, h, the gate sums and the dh pass's buffers, then
+// the shared region.
+Layout make_layout(const Problem& p, const fgdn_inputs& in) {
+  const size_t S = static_cast<size_t>(num_chunk_slots(p));
+  const size_t D = static_cast<size_t>(p.K), Hv = static_cast<size_t>(p.Hv);
+  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
+  const BlockRegions one = block_regions(p, 1);
+  Layout L{};
+  L.blocks = bwd::block_plan(static_cast<int64_t>(S), one.end + one.dqk_img, p.Hv, sm_count(p.device_id),
+                             dp.segments > 1, forced_block_slots());
+  const BlockRegions R = block_regions(p, static_cast<size_t>(L.blocks.slots));
+  for (int i = 0; i < 14; ++i) L.off[i] = R.off[i];
+  size_t o = R.end;
+  const bool h16 = bwd::states_in_bf16(p.precision == FGDN_PRECISION_FAST, p.qkv_dtype);
+  L.off[kH] = o;
+  o += align256((S + 1) * Hv * D * D * (h16 ? 2 : sizeof(float)));  // one spare row: chunk_bwd_state.cu
   L.gpart = o;
   o += align256(S * Hv * 2 * sizeof(float));
   L.first_row = o;
   o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
-  const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   const size_t chains = static_cast<size_t>(p.N) * Hv;
   L.dh_cp = o;
   if (dp.segments > 1) o += align256(chains * static_cast<size_t>(dp.segments) * 2 * D * D * sizeof(float));
   L.dh_exact = o;
   if (dp.segments > 1) o += align256(chains * sizeof(int32_t));
+  for (size_t& c : L.carry) {
+    c = o;
+    if (L.blocks.count > 1) o += align256(Hv * D * D * sizeof(float));
+  }
   L.shared = L.fwd = L.img = o;
-  L.off[kDqh] = o;
-  L.off[kDkh] = o + align256(n[kDqh] * sizeof(float));
-  const size_t dqk = L.off[kDkh] - o + align256(n[kDkh] * sizeof(float));
-  const size_t img = align256(S * Hv * (D == 128 ? bwd::Images<128>::kBytes : bwd::Images<64>::kBytes));
+  L.off[kDqh] += o;
+  L.off[kDkh] += o;
   const size_t fwd = align256(bwd::states_workspace_bytes(p, in));
-  L.total = o + std::max(dqk, std::max(img, fwd));
+  L.total = o + std::max(R.dqk_img, fwd);
   return L;
 }
 
@@ -169,23 +213,31 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
 
   const bool any_chunks = P.num_chunks > 0;
   if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
-  if (any_chunks) P.precision_high ? bwd::launch_bwd_prep(P, stream) : bwd::launch_bwd_prep_sm90(P, stream);
-  if (P.N > 0) {
-    P.dvn_out = P.W;  // W's buffer is free from here (the images carry -W); dW goes there later
-    bwd::launch_bwd_dh(P, stream);
-    std::swap(P.dvn, P.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
-  }
-  if (any_chunks) {
-    if (P.precision_high) {
-      bwd::launch_bwd_dqk(P, stream);
-      bwd::launch_bwd_wy(P, stream);
-    } else {
-      bwd::launch_bwd_dqk_wy_sm90(P, stream);
+  P.blocked = L.blocks.count > 1;
+  float* carry[2] = {reinterpret_cast<float*>(w + L.carry[0]), reinterpret_cast<float*>(w + L.carry[1])};
+  for (int64_t blk = L.blocks.count - 1; blk >= 0; --blk) {  // the last block first: dS flows down
+    bwd::BwdParams Pb = P;
+    Pb.slot0 = blk * L.blocks.slots;
+    Pb.slots = std::min(L.blocks.slots, P.num_chunks - Pb.slot0);
+    Pb.dh_carry_in = carry[(blk + 1) & 1];  // written by the block above
+    Pb.dh_carry_out = carry[blk & 1];
+    const bool slots = Pb.slots > 0;
+    if (slots) Pb.precision_high ? bwd::launch_bwd_prep(Pb, stream) : bwd::launch_bwd_prep_sm90(Pb, stream);
+    if (Pb.N > 0) {
+      Pb.dvn_out = Pb.W;  // W's buffer is free from here (the images carry -W); dW goes there later
+      bwd::launch_bwd_dh(Pb, stream);
+      std::swap(Pb.dvn, Pb.W);  // dvn: dV_new for dqk and wy; W: the dvl buffer, dW's home now
     }
-    bwd::launch_bwd_reduce(P, stream);
-  } else if (P.gate_in_kernel) {
-    bwd::launch_bwd_reduce(P, stream);
+    if (!slots) continue;
+    if (Pb.precision_high) {
+      bwd::launch_bwd_dqk(Pb, stream);
+      bwd::launch_bwd_wy(Pb, stream);
+    } else {
+      bwd::launch_bwd_dqk_wy_sm90(Pb, stream);
+    }
+    bwd::launch_bwd_reduce(Pb, stream);
   }
+  if (P.gate_in_kernel) bwd::launch_bwd_head_sums(P, stream);
 }
 
 }  // namespace flashgdn::cuda

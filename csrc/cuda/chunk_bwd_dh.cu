@@ -34,6 +34,14 @@
 //   scan     dS_start(s) = R_s^T dS_start(s + 1) + N_s, last segment first, in fp32;
 //   phase 2  each segment but the last walks again from its true end state, writing.
 // Certified chains do all their work in phase 1 (ReverseWalk says which walk a CTA does).
+//
+// Blocked (P.blocked: the launcher walks the chunk slots in blocks, last first, and the per-chunk
+// workspace holds one block; only unsplit, phase 0): a CTA walks its chain's chunks of the block,
+// from d_final_state where the sequence ends in the block, else from the dS the block above left
+// in dh_carry_in; where the sequence starts before the block it leaves its dS in dh_carry_out
+// instead of writing dh0. The carry is the fp32 dS itself: the bits are those of one walk. One
+// sequence at most crosses a block boundary, so the carries hold one (value head) row each.
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/chunk_bwd_images.cuh"
@@ -73,17 +81,41 @@ constexpr int kWarmMaxChunks = 16;  // as the forward's certificate (kCertifyMax
 constexpr float kWarmLog = -16.f;
 
 // Where a walk's dS starts.
-enum class WalkInit { kZero, kFinalState, kIdentity, kSlot };
+enum class WalkInit { kZero, kFinalState, kIdentity, kSlot, kCarry };
 
 // The chunks a CTA walks: hi - 1 down to lo; it writes dh and dV_new for chunks below write_hi
 // and dh0 when dh0; zero_inputs: dvl and dO read as zero (the R walk); store_slot >= 0: dS at the
-// end of the walk goes to that slot of P.dh_cp (init kSlot reads one). Idle when !active.
+// end of the walk goes to that slot of P.dh_cp (init kSlot reads one); carry_out: to
+// P.dh_carry_out (blocked; init kCarry reads P.dh_carry_in). Idle when !active.
 struct ReverseWalk {
   int64_t hi, lo, write_hi;
   WalkInit init;
   bool active, dh0, zero_inputs;
   int64_t store_slot, load_slot;
+  bool carry_out = false;
 };
+
+// Blocked: the first sequence whose chunks reach the block, the smallest n with
+// f(n) + max(chunks(n), 1) > slot0, f(n) its first chunk slot (an empty sequence's f(n) is an
+// unused slot of its own). That end grows strictly with n (chunk_index.cuh), so a CTA's sequence
+// is this one plus blockIdx.x: at most P.slots sequences meet a block.
+__device__ int64_t first_sequence_of_block(const BwdParams& P) {
+  int64_t lo = 0, hi = P.N;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    const SeqInfo si = seq_info(P.seq, mid);
+    const int64_t nch = ceil_div(si.len, kC);
+    const int64_t end = chunk_slot(P.seq, mid, 0, si.t0) + (nch > 0 ? nch : 1);
+    if (end > P.slot0) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+// Row of the per-chunk workspace of chunk j of sequence n (first token t0), value head h.
+__device__ __forceinline__ int64_t chain_row(const BwdParams& P, int64_t n, int64_t j, int64_t t0, int64_t h) {
+  return (chunk_slot(P.seq, n, j, t0) - P.slot0) * P.Hv + h;
+}
 
 // P.dh_cp: per (chain, segment) two D x D slots ([a][v] as dh): 0 holds N_s, then (after the
 // scan) dS_start(s); 1 holds R_s (row-major R^T).
@@ -103,16 +135,16 @@ __device__ int warm_window(const BwdParams& P, int64_t n, int64_t h, const SeqIn
     if (j >= nch) return w - 1;
     const int64_t rem = si.len - j * kC;
     const int len = static_cast<int>(rem < kC ? rem : kC);
-    const int64_t slot = chunk_slot(P.seq, n, j, si.t0), hq = h / P.group;
+    const int64_t ls = chunk_slot(P.seq, n, j, si.t0) - P.slot0, hq = h / P.group;
     bool ok = true;
     for (int i = lane; i < len; i += 32) {
       const int64_t t = si.t0 + j * kC + i;
       const float b = load_as_float(P.beta.data, P.beta_dtype, si.b * P.beta.s0 + t * P.beta.s1 + h * P.beta.s2);
-      const float rk = P.rk[(slot * kC + i) * P.Hq + hq];  // 1 / ||k_t||
+      const float rk = P.rk[qk_row(P, ls, i, hq)];  // 1 / ||k_t||
       ok = ok && b >= 0.f && (P.l2norm ? b : b / (rk * rk)) <= 2.f;
     }
     if (!__all_sync(0xffffffffu, ok)) return 0;
-    sum += P.cg[(slot * P.Hv + h) * kC + len - 1];
+    sum += P.cg[(ls * P.Hv + h) * kC + len - 1];
     if (sum <= kWarmLog) return w;
   }
   return j1 + kWarmMaxChunks >= nch ? static_cast<int>(nch - j1) : 0;
@@ -127,7 +159,16 @@ __device__ ReverseWalk reverse_walk(const BwdParams& P, int64_t n, int64_t h, co
   const int64_t Lc = P.dh_segment_chunks, chain = n * P.Hv + h;
   const ReverseWalk idle{0, 0, 0, WalkInit::kZero, false, false, false, -1, -1};
   const ReverseWalk whole{nch, 0, nch, WalkInit::kFinalState, true, true, false, -1, -1};
-  if (phase == 0) return blockIdx.z == 0 ? whole : idle;
+  if (phase == 0 && (blockIdx.z != 0 || !P.blocked)) return blockIdx.z == 0 ? whole : idle;
+  if (phase == 0) {  // blocked: the chain's chunks in the block, jlo .. jhi - 1
+    const int64_t f = chunk_slot(P.seq, n, 0, si.t0), end = P.slot0 + P.slots;
+    if (nch == 0) return f >= P.slot0 && f < end ? whole : idle;  // its dh0, in the block of its slot
+    const int64_t jlo = P.slot0 > f ? P.slot0 - f : 0, jhi = end - f < nch ? end - f : nch;
+    if (jlo >= jhi) return idle;
+    ReverseWalk w{jhi, jlo, jhi, jhi == nch ? WalkInit::kFinalState : WalkInit::kCarry, true, jlo == 0, false, -1, -1};
+    w.carry_out = jlo > 0;
+    return w;
+  }
   const int64_t nseg = ceil_div(nch, Lc);
   if (nseg <= 1) return phase == 1 && kind == 0 && seg == 0 ? whole : idle;
   if (seg >= nseg) return idle;
@@ -214,7 +255,8 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   using Im = Images<D>;
   constexpr int kB = D / 64;  // 64-column blocks of dS^T (and warpgroups)
   const int halves = D == 128 ? P.dh_halves : 1;  // 2: this CTA is one warpgroup, the rows' half blockIdx.y % 2
-  const int64_t n = blockIdx.x, h = blockIdx.y / halves;
+  const int64_t n = (P.blocked ? first_sequence_of_block(P) : 0) + blockIdx.x, h = blockIdx.y / halves;
+  if (n >= P.N) return;
   const SeqInfo si = seq_info(P.seq, n);
   const int64_t nch = ceil_div(si.len, kC);
   const ReverseWalk walk = reverse_walk(P, n, h, si, nch);
@@ -231,7 +273,7 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   __shared__ Mbarrier k_full, qwo_full;
   const uint32_t img_addr = sm90::smem_addr(img);
 
-  const auto slot_row = [&](int64_t j) { return chunk_slot(P.seq, n, j, si.t0) * P.Hv + h; };
+  const auto slot_row = [&](int64_t j) { return chain_row(P, n, j, si.t0, h); };
   const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j (hi + lo, or hi)
     constexpr uint32_t bytes = kSplit ? Im::kKBytes : Im::kKPart;
     k_full.arrive_expect_tx(bytes);
@@ -287,6 +329,9 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
         case WalkInit::kIdentity: S[b][e] = vrow(e) == 64 * b + col(e) ? 1.f : 0.f; break;
         case WalkInit::kSlot:
           S[b][e] = P.dh_cp[walk.load_slot * D * D + static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)];
+          break;
+        case WalkInit::kCarry:
+          S[b][e] = P.dh_carry_in[(h * D + 64 * b + col(e)) * D + vrow(e)];
           break;
         default: S[b][e] = 0.f;
       }
@@ -388,6 +433,13 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
 #pragma unroll
       for (int e = 0; e < 32; ++e) dst[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
   }
+  if (walk.carry_out) {
+    float* dst = P.dh_carry_out + h * D * D;  // [D a][D v], as dh
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) dst[static_cast<int64_t>(64 * b + col(e)) * D + vrow(e)] = S[b][e];
+  }
   if (P.want_dh0 && walk.dh0) {  // rounded to dh0's dtype (nearest even)
     int64_t row = n;
     if (P.has_state_indices) row = load_index(P.state_indices, P.idx_dtype, n);
@@ -410,7 +462,8 @@ void launch_split(const BwdParams& P0, cudaStream_t s) {
     P.dh_phase = 0;
     const int halves = D == 128 ? P.dh_halves : 1;
     P.dh_halves = halves;
-    dh_kernel<D, TQ, kSplit><<<dim3(P.N, P.Hv * halves, 1), D * 2 / halves, dh_smem_bytes<D>(), s>>>(P);
+    const int64_t seqs = P.blocked ? std::min(P.N, P.slots) : P.N;  // blocked: the block's (at most slots)
+    dh_kernel<D, TQ, kSplit><<<dim3(seqs, P.Hv * halves, 1), D * 2 / halves, dh_smem_bytes<D>(), s>>>(P);
     FGDN_CHECK_LAUNCH("bwd dh pass");
     return;
   }

@@ -16,14 +16,12 @@ namespace flashgdn::cuda::bwd {
 namespace {
 
 template <int D, typename TQ>
-__global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
-  const int64_t h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group;
-  const int64_t r = gc * P.Hv + h;
-  const int len = ci.len;
+__global__ void __launch_bounds__(kThreads, 2) dqk_kernel(BwdParams P) {
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls, state_row = u.state_row;
+  const int len = u.len;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   __shared__ float s_c[kC], s_q[kC], s_e[kC], s_kdot[kC], s_qdot[kC], s_pair[kC];
@@ -41,12 +39,12 @@ __global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
   __syncthreads();
 
   const int64_t lds = P.Hq * D;
-  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
-  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
   const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
   const float* vng = P.vn + r * kC * D;
   const float* dvg = P.dvn + r * kC * D;
-  const float* hg = P.h + r * D * D;
+  const float* hg = P.h + state_row * D * D;
   const float* dhg = P.dh + r * D * D;
   float* dqg = P.dqh + r * kC * D;
   float* dkg = P.dkh + r * kC * D;
@@ -131,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) dqk_kernel(BwdParams P) {
 
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
-  dqk_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, 0, s>>>(P);
+  dqk_kernel<D, TQ><<<dim3(P.slots, P.Hv), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd dqk");
 }
 

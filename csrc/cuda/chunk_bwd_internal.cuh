@@ -1,9 +1,11 @@
 // Private to the backward (chunk_bwd*.cu): the parameter block every backward kernel gets, the
 // workspace layout, typed scalar loads/stores and a block-level tensor-core GEMM.
 //
-// Layout of the per-chunk workspace: everything is indexed by (global chunk id gc, value head
-// h) as row r = gc * Hv + h, with C = 64 token rows per chunk; rows past the chunk's length are
-// zero. All offsets are int64.
+// Layout of the per-chunk workspace: it holds one block of chunk slots at a time (the launcher
+// walks the slots in blocks, last block first: chunk_bwd.cu), indexed by the slot's place in its
+// block ls = gc - slot0 and the value head h as row r = ls * Hv + h, with C = 64 token rows per
+// chunk; rows past the chunk's length are zero. The chunk-start states h and the per-chunk gate
+// sums hold every slot (row gc * Hv + h). All offsets are int64.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,11 @@ struct BwdParams {
   // problem
   int64_t B, T, Hq, Hv, D, N, group;
   int64_t num_chunks;  // chunk slots: num_chunk_slots(p) (chunk_index.cuh; some may be unused)
+  // The block of chunk slots this launch works on (chunk_bwd.cu): slot0 .. slot0 + slots - 1, the
+  // per-chunk grids' x extent; blocked: more than one block (the dh pass then walks each chain's
+  // chunks of the block and carries dS between blocks in dh_carry_in / dh_carry_out).
+  int64_t slot0, slots;
+  int32_t blocked;
   float scale;
   int32_t qkv_dtype, g_dtype, beta_dtype;
   int32_t l2norm, gate_in_kernel, has_dt_bias, state_v_first;
@@ -52,6 +59,10 @@ struct BwdParams {
   int32_t precision_fast;  // precision "fast": the dh pass's products single hi*hi (chunk_bwd_dh.cu);
                           // h in bf16 with bf16 inputs (states_in_bf16)
   float* dh_cp;       // [N * Hv * dh_segments * 2] x D x D: the exact path's N_s / R_s slots
+  // Blocked: dS ([Hv][D a][D v], as dh) of the one sequence that crosses the block's upper
+  // boundary (written by the block above) and of the one that crosses its lower boundary.
+  const float* dh_carry_in;
+  float* dh_carry_out;
   int32_t* dh_exact;  // [N * Hv]: 1 where a chain takes the exact path
 
   SeqLayout seq;  // chunk enumeration on the device (chunk_index.cuh)
@@ -70,26 +81,27 @@ struct BwdParams {
   Tensor4 dh0;
 
   // workspace (fp32 unless noted)
-  float* qn;    // [num_chunks * 64, Hq, D]  normalised q (or q), slot layout
-  float* kn;    // [num_chunks * 64, Hq, D]
-  float* rq;    // [num_chunks * 64, Hq]     1 / ||q|| (applied with l2norm only)
-  float* rk;    // [num_chunks * 64, Hq]
-  float* cg;    // [num_chunks * Hv, 64]     in-chunk cumulative gate c
+  // (slots: a block's chunk slots, in block order; num_chunks: all of them)
+  float* qn;    // [slots * 64, Hq, D]      normalised q (or q), slot layout
+  float* kn;    // [slots * 64, Hq, D]
+  float* rq;    // [slots * 64, Hq]         1 / ||q|| (applied with l2norm only)
+  float* rk;    // [slots * 64, Hq]
+  float* cg;    // [slots * Hv, 64]         in-chunk cumulative gate c
   float* h;     // [(num_chunks + 1) * Hv, D, D] chunk-start states (S_0 of each chunk; one
                 //                           spare row: chunk_bwd_state.cu); bf16 where
                 //                           states_in_bf16 (below)
-  float* dh;    // [num_chunks * Hv, D, D]   gradient of each chunk's end state
-  float* Tm;    // [num_chunks * Hv, 64, 64] (I + A)^{-1}; in the inputs' type below `high`
-  float* W;     // [num_chunks * Hv, 64, D]  W, later overwritten by dW
-  float* vn;    // [num_chunks * Hv, 64, D]  corrected values V_new
-  float* dvn;   // [num_chunks * Hv, 64, D]  local dv (dvl); after the dh pass, dV_new
+  float* dh;    // [slots * Hv, D, D]       gradient of each chunk's end state
+  float* Tm;    // [slots * Hv, 64, 64]     (I + A)^{-1}; in the inputs' type below `high`
+  float* W;     // [slots * Hv, 64, D]      W, later overwritten by dW
+  float* vn;    // [slots * Hv, 64, D]      corrected values V_new
+  float* dvn;   // [slots * Hv, 64, D]      local dv (dvl); after the dh pass, dV_new
   float* dvn_out;  // the dh pass's dV_new (W's buffer, free by then); the launcher swaps it with
                    // dvn after the pass, so that no CTA's warm-up reads a dvl another overwrote
-  float* dqh;   // [num_chunks * Hv, 64, D]  dq per value head (w.r.t. normalised q)
-  float* dkh;   // [num_chunks * Hv, 64, D]
-  float* dc;    // [num_chunks * Hv, 64]     gradient w.r.t. c
-  float* gpart; // [num_chunks * Hv, 2]      per-chunk sums for dA_log and ddt_bias
-  uint8_t* img; // [num_chunks * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
+  float* dqh;   // [slots * Hv, 64, D]      dq per value head (w.r.t. normalised q)
+  float* dkh;   // [slots * Hv, 64, D]
+  float* dc;    // [slots * Hv, 64]         gradient w.r.t. c
+  float* gpart; // [num_chunks * Hv, 2]     per-chunk sums for dA_log and ddt_bias
+  uint8_t* img; // [slots * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
 
 // At `fast` with bf16 inputs the chunk-start states h are stored in bf16 (half h's bytes): the
@@ -114,6 +126,11 @@ void dispatch_states_type(const BwdParams& P, F&& f) {
 
 __device__ __forceinline__ int64_t tok_off(const Tensor4& t, int64_t b, int64_t tok, int64_t h) {
   return b * t.s0 + tok * t.s1 + h * t.s2;
+}
+
+// Row of token i of the block's local slot ls, q/k head hq, in qn, kn, rq and rk.
+__device__ __forceinline__ int64_t qk_row(const BwdParams& P, int64_t ls, int64_t i, int64_t hq) {
+  return (ls * kC + i) * P.Hq + hq;
 }
 
 // ---- block GEMM on tensor cores -------------------------------------------------------------
@@ -173,29 +190,6 @@ __device__ __forceinline__ void block_gemm(const FA& fa, const FB& fb, const FE&
   }
 }
 
-// ---- the sequential pass (chunk_bwd_dh): one chunk of a sequence ----------------------------
-struct SeqChunk {
-  int64_t gc;  // chunk slot
-  int64_t r;   // workspace row gc * Hv + h
-  int L;       // tokens in the chunk (1 .. kC)
-};
-// Chunk j of sequence n (info si) for value head h; loads its in-chunk gates c into s_c[kC]
-// between two block barriers (the first: earlier readers of s_c are done; the second: c is
-// visible to the whole block).
-__device__ __forceinline__ SeqChunk begin_seq_chunk(const BwdParams& P, int64_t n, int64_t h,
-                                                    const SeqInfo& si, int64_t j, float* s_c) {
-  const int tid = threadIdx.x;
-  SeqChunk c;
-  c.gc = chunk_slot(P.seq, n, j, si.t0);
-  c.r = c.gc * P.Hv + h;
-  const int64_t rem = si.len - j * kC;
-  c.L = static_cast<int>(rem < kC ? rem : kC);
-  __syncthreads();
-  if (tid < kC) s_c[tid] = P.cg[c.r * kC + tid];
-  __syncthreads();
-  return c;
-}
-
 // ---- the per-chunk kernels' gates ------------------------------------------------------------
 // Token tid (< kC) of the chunk: its gate (the in-kernel gate applied) and beta, zero past the
 // chunk. Loaded on their own so that a kernel can issue them before its other loads.
@@ -243,20 +237,23 @@ __device__ __forceinline__ void inverse_column(const float* A, float* T, int m) 
 }
 
 // ---- a per-chunk kernel's unit and its shared memory -------------------------------------------
-// The unit of launch_per_chunk's grid: chunk slot gc = blockIdx.x and value head h = blockIdx.y,
-// located in its sequence (ci); r = gc Hv + h is its row of the per-chunk workspace, hq its q/k
-// head. False for a surplus slot (nothing to do).
+// The unit of launch_per_chunk's grid: the block's local slot ls = blockIdx.x (chunk slot
+// gc = slot0 + ls) and value head h = blockIdx.y, located in its sequence (ci); r = ls Hv + h is
+// its row of the per-chunk workspace, state_row = gc Hv + h its row of h, hq its q/k head. False
+// for a surplus slot (nothing to do).
 struct ChunkUnit {
   ChunkInfo ci;
-  int64_t gc, h, hq, r;
+  int64_t gc, ls, h, hq, r, state_row;
   int len;  // tokens in the chunk, 1..64
 };
 __device__ __forceinline__ bool locate_unit(const BwdParams& P, ChunkUnit& u) {
-  u.gc = blockIdx.x;
+  u.ls = blockIdx.x;
+  u.gc = P.slot0 + u.ls;
   u.h = blockIdx.y;
   if (!locate_chunk(P.seq, u.gc, u.ci)) return false;
   u.hq = u.h / P.group;
-  u.r = u.gc * P.Hv + u.h;
+  u.r = u.ls * P.Hv + u.h;
+  u.state_row = u.gc * P.Hv + u.h;
   u.len = u.ci.len;
   return true;
 }
@@ -288,12 +285,12 @@ void set_dynamic_smem(Kernel kernel, size_t bytes) {
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-// Launches kernel(P) on the per-chunk grid (chunk slots x value heads; surplus slots exit) with
-// `smem` bytes of dynamic shared memory.
+// Launches kernel(P) on the per-chunk grid (the block's chunk slots x value heads; surplus slots
+// exit) with `smem` bytes of dynamic shared memory.
 template <class Kernel>
 void launch_per_chunk(Kernel kernel, int threads, size_t smem, const BwdParams& P, cudaStream_t s, const char* what) {
   set_dynamic_smem(kernel, smem);
-  kernel<<<dim3(P.num_chunks, P.Hv), threads, smem, s>>>(P);
+  kernel<<<dim3(P.slots, P.Hv), threads, smem, s>>>(P);
   FGDN_CHECK_LAUNCH(what);
 }
 
@@ -310,6 +307,7 @@ void launch_bwd_dh(const BwdParams& P, cudaStream_t s);         // reverse pass:
 void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (partial), dW, dc (`high`)
 void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part; `high`)
 void launch_bwd_dqk_wy_sm90(const BwdParams& P, cudaStream_t s);  // both below `high` (sm90/bwd_dqk_wy.cu)
-void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg, dA_log
+void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg (a block)
+void launch_bwd_head_sums(const BwdParams& P, cudaStream_t s);  // dA_log, ddt_bias (every block's sums)
 
 }  // namespace flashgdn::cuda::bwd

@@ -17,15 +17,15 @@ namespace {
 
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
+  const int64_t ls = blockIdx.x;  // the block's local slot (chunk_bwd_internal.cuh)
   const int64_t hq = blockIdx.y;
   ChunkInfo ci;
-  const bool valid = locate_chunk(P.seq, gc, ci);
+  const bool valid = locate_chunk(P.seq, P.slot0 + ls, ci);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const TQ* q = static_cast<const TQ*>(P.q.data);
   const TQ* k = static_cast<const TQ*>(P.k.data);
   for (int i = warp; i < kC; i += kThreads / 32) {
-    const int64_t row = (gc * kC + i) * P.Hq + hq;
+    const int64_t row = qk_row(P, ls, i, hq);
     float* qo = P.qn + row * D;
     float* ko = P.kn + row * D;
     if (!valid || i >= ci.len) {
@@ -55,13 +55,11 @@ __global__ void __launch_bounds__(kThreads) qk_prep_kernel(BwdParams P) {
 
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
-  const int64_t h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group;
-  const int64_t r = gc * P.Hv + h;
-  const int len = ci.len;
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls, state_row = u.state_row;
+  const int len = u.len;
 
   __shared__ float s_c[kC], s_ec[kC], s_beta[kC], s_ke[kC], s_qe[kC];
   __shared__ float s_A[kC * kLd];  // A, later P
@@ -75,8 +73,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   }
   __syncthreads();
 
-  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;  // row i at kn[i * Hq * D]
-  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;  // row i at kn[i * Hq * D]
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
   const int64_t lds = P.Hq * D;
 
   // A = strict_lower(diag(beta) Kn Kn^T (.) D)
@@ -108,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
   // V_new = U - W h: block_gemm gives each thread the same (i, vv) elements of a 64 x D result
   // in both products, so each subtracts from what it wrote itself; the barrier makes W visible.
   __syncthreads();
-  const float* hg = P.h + r * D * D;
+  const float* hg = P.h + state_row * D * D;
   block_gemm<kC, D, D>(
       [&](int i, int a) { return Wg[i * D + a]; },
       [&](int a, int vv) { return hg[a * D + vv]; },
@@ -181,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(BwdParams P) {
 void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s) {
   dispatch_dim_type(P, [&](auto c) {
     using C = decltype(c);
-    qk_prep_kernel<C::D, typename C::TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
+    qk_prep_kernel<C::D, typename C::TQ><<<dim3(P.slots, P.Hq), kThreads, 0, s>>>(P);
     FGDN_CHECK_LAUNCH("bwd qk_prep");
   });
 }

@@ -16,13 +16,13 @@ namespace {
 
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) qk_reduce_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
+  const int64_t ls = blockIdx.x;  // the block's local slot (chunk_bwd_internal.cuh)
   const int64_t hq = blockIdx.y;
   ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
+  if (!locate_chunk(P.seq, P.slot0 + ls, ci)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < ci.len; i += kThreads / 32) {
-    const int64_t row = (gc * kC + i) * P.Hq + hq;
+    const int64_t row = qk_row(P, ls, i, hq);
     for (int which = 0; which < 2; ++which) {
       const float* src = which == 0 ? P.dqh : P.dkh;
       const float* xn = (which == 0 ? P.qn : P.kn) + row * D;
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads) qk_reduce_kernel(BwdParams P) {
 #pragma unroll
       for (int u = 0; u < D / 32; ++u) d[u] = 0.f;
       for (int64_t g = 0; g < P.group; ++g) {
-        const float* s = src + ((gc * P.Hv + hq * P.group + g) * kC + i) * D;
+        const float* s = src + ((ls * P.Hv + hq * P.group + g) * kC + i) * D;
 #pragma unroll
         for (int u = 0; u < D / 32; ++u) d[u] += s[lane + 32 * u];
       }
@@ -52,12 +52,12 @@ __global__ void __launch_bounds__(kThreads) qk_reduce_kernel(BwdParams P) {
 }
 
 __global__ void __launch_bounds__(kC) gate_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
+  const int64_t ls = blockIdx.x, gc = P.slot0 + ls;  // local and global chunk slot
   const int64_t h = blockIdx.y;
-  const int64_t r = gc * P.Hv + h;
+  const int64_t r = ls * P.Hv + h, pr = gc * P.Hv + h;  // rows of dc (the block's) and of gpart (all)
   ChunkInfo ci;
   if (!locate_chunk(P.seq, gc, ci)) {
-    if (threadIdx.x == 0) P.gpart[2 * r] = 0.f, P.gpart[2 * r + 1] = 0.f;
+    if (threadIdx.x == 0) P.gpart[2 * pr] = 0.f, P.gpart[2 * pr + 1] = 0.f;
     return;
   }
   __shared__ float s_dg[kC], s_pa[kC], s_pb[kC];
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kC) gate_kernel(BwdParams P) {
   if (i == 0) {
     float a = 0.f, b = 0.f;
     for (int t = 0; t < kC; ++t) a += s_pa[t], b += s_pb[t];
-    P.gpart[2 * r] = a;
-    P.gpart[2 * r + 1] = b;
+    P.gpart[2 * pr] = a;
+    P.gpart[2 * pr + 1] = b;
   }
 }
 
@@ -133,22 +133,23 @@ __global__ void __launch_bounds__(kThreads) head_sum_kernel(BwdParams P) {
 
 template <int D, typename TQ>
 void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
-  qk_reduce_kernel<D, TQ><<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P);
+  qk_reduce_kernel<D, TQ><<<dim3(P.slots, P.Hq), kThreads, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd qk_reduce");
 }
 
 }  // namespace
 
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s) {
-  if (P.num_chunks > 0) {
+  if (P.slots > 0) {
     dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
-    gate_kernel<<<dim3(P.num_chunks, P.Hv), kC, 0, s>>>(P);
+    gate_kernel<<<dim3(P.slots, P.Hv), kC, 0, s>>>(P);
     FGDN_CHECK_LAUNCH("bwd gate");
   }
-  if (P.gate_in_kernel) {
-    head_sum_kernel<<<P.Hv, kThreads, 0, s>>>(P);
-    FGDN_CHECK_LAUNCH("bwd head_sum");
-  }
+}
+
+void launch_bwd_head_sums(const BwdParams& P, cudaStream_t s) {
+  head_sum_kernel<<<P.Hv, kThreads, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH("bwd head_sum");
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -23,13 +23,11 @@ constexpr size_t wy_smem_bytes() {
 
 template <int D, typename TQ>
 __global__ void __launch_bounds__(kThreads) wy_kernel(BwdParams P) {
-  const int64_t gc = blockIdx.x;
-  const int64_t h = blockIdx.y;
-  ChunkInfo ci;
-  if (!locate_chunk(P.seq, gc, ci)) return;
-  const int64_t hq = h / P.group;
-  const int64_t r = gc * P.Hv + h;
-  const int len = ci.len;
+  ChunkUnit u;
+  if (!locate_unit(P, u)) return;
+  const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them
+  const int64_t h = u.h, hq = u.hq, r = u.r, ls = u.ls;
+  const int len = u.len;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int kLx = D + 1;
 
@@ -59,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) wy_kernel(BwdParams P) {
   __syncthreads();
 
   const int64_t lds = P.Hq * D;
-  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
   const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
   const float* dvg = P.dvn + r * kC * D;
   const float* dWg = P.W + r * kC * D;
@@ -170,7 +168,7 @@ void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
   constexpr size_t smem = wy_smem_bytes<D>();
   FGDN_CUDA_CHECK(cudaFuncSetAttribute(wy_kernel<D, TQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-  wy_kernel<D, TQ><<<dim3(P.num_chunks, P.Hv), kThreads, smem, s>>>(P);
+  wy_kernel<D, TQ><<<dim3(P.slots, P.Hv), kThreads, smem, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd wy");
 }
 

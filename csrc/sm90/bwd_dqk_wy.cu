@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
   const ChunkInfo& ci = u.ci;
-  const int64_t gc = u.gc, h = u.h, hq = u.hq, r = u.r;
+  const int64_t ls = u.ls, h = u.h, hq = u.hq, r = u.r;
   const int len = u.len;
   const int tid = threadIdx.x, wg = tid >> 7;
   const tl::AccCoord ac(tid);
@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
 
   // ==== phase A: staging, dO and the 16-bit rows, then the fp32 pieces, the next one's loads in flight
   const int64_t lds = P.Hq * D;
-  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
-  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
   tl::Rows16<D> o, vr, dvr;
   tl::load_rows16<D>(static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h), P.d_o.s1, len, o, tid);
   // V_new (prep) and dV_new (the dh pass) arrive in the inputs' type below `high`.
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
     // S0 arrives in bf16 (states_in_bf16) and is copied as it is; the fp32 pieces are Kn, Qn and
     // dS's blocks, each S0 block's rows in registers while dS's block of the same rows is
     // staged, for <dS, S0> (the bf16 values of S0: what the products use).
-    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
+    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + u.state_row * D * D;
     tl::Rows16<D> hr[kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) tl::load_rows16<D>(hg + 64 * b * D, D, 64, hr[b], tid);
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
       cur = nxt;
     }
   } else {
-    const float* hg = P.h + r * D * D;
+    const float* hg = P.h + u.state_row * D * D;
     // Pieces of 64 rows; the states' 64-row blocks alternate S0, dS, so that a block of each is
     // in registers at once for <dS, S0>.
     constexpr int kPieces = 2 + 2 * kB;

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
   const ChunkInfo& ci = u.ci;
-  const int64_t gc = u.gc, h = u.h, hq = u.hq, r = u.r;
+  const int64_t ls = u.ls, h = u.h, hq = u.hq, r = u.r;
   const int len = u.len;
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const tl::AccCoord ac(tid);
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
 
   // ---- staging: V, dO, k, q (16-bit), then Kn and S0 (fp32), the next piece's loads in flight --
   const int64_t lds = P.Hq * D;
-  const float* kn = P.kn + (gc * kC * P.Hq + hq) * D;
-  const float* qn = P.qn + (gc * kC * P.Hq + hq) * D;
+  const float* kn = P.kn + qk_row(P, ls, 0, hq) * D;
+  const float* qn = P.qn + qk_row(P, ls, 0, hq) * D;
   const TQ* vg = static_cast<const TQ*>(P.v.data) + tok_off(P.v, ci.b, ci.t0, h);
   const TQ* dog = static_cast<const TQ*>(P.d_o.data) + tok_off(P.d_o, ci.b, ci.t0, h);
   const TQ* kg = static_cast<const TQ*>(P.k.data) + tok_off(P.k, ci.b, ci.t0, hq);
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
   // else fp32, rounded here. 64-row blocks of its D rows, D * 128 bytes between column tiles.
   uint8_t* hs = reinterpret_cast<uint8_t*>(S.h);
   if constexpr (kH16) {
-    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + r * D * D;
+    const bf16* hg = reinterpret_cast<const bf16*>(P.h) + u.state_row * D * D;
     tl::Rows16<D> hr[kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) tl::load_rows16<D>(hg + 64 * b * D, D, 64, hr[b], tid);
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     for (int b = 0; b < kB; ++b) tl::store_rows16<D>(hs + 64 * b * 128, hr[b], tid, D * 128);
     tl::store_piece<D, bf16>(kp, kv, tid);
   } else {
-    const float* hg = P.h + r * D * D;
+    const float* hg = P.h + u.state_row * D * D;
     constexpr int kPieces = 1 + kB;
     const auto piece = [&](int i) -> tl::PieceSrc {
       if (i == 0) return {kn, lds, reinterpret_cast<uint8_t*>(S.kn), tl::kTile64};
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     s_ec[tid] = expf(s_c[tid]);
     s_ke[tid] = tid < len ? expf(s_c[len - 1] - s_c[tid]) : 0.f;
     s_qe[tid] = tid < len ? P.scale * expf(s_c[tid]) : 0.f;
-    const int64_t row = (gc * kC + tid) * P.Hq + hq;  // rq, rk: written by qk_prep for rows < len
+    const int64_t row = qk_row(P, ls, tid, hq);  // rq, rk: written by qk_prep for rows < len
     s_rk[tid] = tid < len ? (P.l2norm ? P.rk[row] : 1.f) : 0.f;
     s_rq[tid] = tid < len ? (P.l2norm ? P.rq[row] : 1.f) : 0.f;
     P.cg[r * kC + tid] = s_c[tid];

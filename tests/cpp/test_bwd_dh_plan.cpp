@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <random>
 
 #include "cuda/bwd_dh_plan.h"
@@ -14,6 +15,9 @@ namespace {
 using flashgdn::Problem;
 using flashgdn::cuda::bwd::dh_plan;
 using flashgdn::cuda::bwd::DhPlan;
+using flashgdn::cuda::bwd::block_plan;
+using flashgdn::cuda::bwd::BlockPlan;
+using flashgdn::cuda::bwd::kBlockBytes;
 
 constexpr int kH100Sms = 132;
 
@@ -109,6 +113,61 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
     ASSERT_LT(d.chunks * (d.segments - 1), chunks);          // no empty segment
     ASSERT_LE(N * Hv * d.segments, sms);                      // one wave
     ASSERT_GE(d.segments, std::min<int64_t>(4, (chunks + 15) / 16));  // four, unless too short
+  }
+}
+
+// The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
+// four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
+// (the last one shorter) that cover every slot.
+TEST(BwdBlockPlan, OneBlockWhenSmallOrSplit) {
+  const size_t per_slot = 290 * 1024 * 64;  // D = 128, Hv = 64
+  const BlockPlan small = block_plan(20, per_slot, 64, 132, false, 0);
+  EXPECT_EQ(small.count, 1);
+  EXPECT_EQ(small.slots, 20);
+  const BlockPlan split = block_plan(512, per_slot, 64, 132, true, 0);
+  EXPECT_EQ(split.count, 1);
+  EXPECT_EQ(split.slots, 512);
+  EXPECT_EQ(block_plan(512, per_slot, 64, 132, true, 3).count, 1);  // the hook too
+  EXPECT_EQ(block_plan(0, per_slot, 64, 132, false, 3).count, 1);
+}
+
+TEST(BwdBlockPlan, SixteenBySixtyFourOneLongSequence) {
+  // 17.7 MB a slot: 1 GiB is 60 slots; waves of 132 SMs are 33 slots of 64 heads, so 66: 512
+  // slots in 8 blocks (the last of 50). On 128 SMs a wave is 2 slots: 60.
+  const BlockPlan b = block_plan(512, 270 * 1024 * 64, 64, 132, false, 0);
+  EXPECT_EQ(b.count, 8);
+  EXPECT_EQ(b.slots, 66);
+  EXPECT_EQ(block_plan(512, 270 * 1024 * 64, 64, 128, false, 0).slots, 60);
+  const size_t per_slot = 290 * 1024 * 64;
+  const BlockPlan f = block_plan(512, per_slot, 64, 132, false, 5);
+  EXPECT_EQ(f.slots, 5);
+  EXPECT_EQ(f.count, 103);
+}
+
+TEST(BwdBlockPlan, RandomSizesCoverEverySlot) {
+  std::mt19937_64 rng(20261128);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t total = static_cast<int64_t>(rng() % 100000), Hv = 1 + static_cast<int64_t>(rng() % 64);
+    const size_t per_slot = 1 + rng() % (size_t{64} << 20);
+    const int sms = 1 + static_cast<int>(rng() % 200);
+    const int64_t forced = rng() % 4 == 0 ? static_cast<int64_t>(rng() % 50) : 0;
+    const BlockPlan b = block_plan(total, per_slot, Hv, sms, false, forced);
+    ASSERT_GE(b.count, 1);
+    if (b.count == 1) {
+      ASSERT_EQ(b.slots, total);
+      continue;
+    }
+    ASSERT_GE(b.slots * b.count, total);        // every slot in a block
+    ASSERT_LT(b.slots * (b.count - 1), total);  // no empty block
+    if (forced > 0) {
+      ASSERT_LE(b.slots, forced);
+    } else {
+      ASSERT_GE(b.slots * Hv, 4 * sms);
+      const int64_t wave = sms / std::gcd(Hv, static_cast<int64_t>(sms));
+      ASSERT_TRUE(b.slots % wave == 0 || b.slots < wave / 2) << b.slots << " slots, waves of " << wave;
+      const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / per_slot);
+      ASSERT_LE(b.slots, std::max<int64_t>({by_bytes + wave, (4 * sms + Hv - 1) / Hv + wave, 1}));
+    }
   }
 }
 
