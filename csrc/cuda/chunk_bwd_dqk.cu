@@ -15,8 +15,10 @@ namespace flashgdn::cuda::bwd {
 
 namespace {
 
+// Three CTAs an SM (80 registers): at the default bound ptxas took D = 64 to 64 registers and
+// spilled (bench/results/sass/README.md, step 13).
 template <int D, typename TQ>
-__global__ void __launch_bounds__(kThreads, 2) dqk_kernel(BwdParams P) {
+__global__ void __launch_bounds__(kThreads, 3) dqk_kernel(BwdParams P) {
   ChunkUnit u;
   if (!locate_unit(P, u)) return;
   const ChunkInfo ci = u.ci;  // copies: the lambdas below capture them

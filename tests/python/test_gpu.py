@@ -8,6 +8,7 @@ of >= 64 tokens at twice the bound. Every element finite. FLASHGDN_ERROR_LOG=pat
 every measured error.
 """
 import itertools
+import os
 
 import pytest
 import torch
@@ -100,9 +101,12 @@ def test_offsets_beyond_int32():
     check("final_state", ht[1:].cpu(), ref["final_state"], c, b["final_state"], context="offsets > 2^31")
 
 
-# The CUDA backward's workspace at K = V = 128, precision "default": ~5.5 KB per token and value
-# head (docs/design.md: 11.57 GB at 16/64 1x32768 on an H100, 2026-11-28); 6 KiB with a margin.
+# The CUDA backward's per-chunk workspace at K = V = 128, precision "default": ~5.5 KB per token and
+# value head (docs/design.md: 11.57 GB at 16/64 1x32768 on an H100, 2026-11-28); 6 KiB with a
+# margin. It holds one block of chunk slots (~1 GiB) where the reverse pass is unsplit; only the
+# chunk-start states span every chunk.
 BWD_WORKSPACE_PER_TOKEN_HEAD = 6 * 1024
+BWD_BLOCK_BYTES = 2 * 2**30
 
 
 def test_backward_offsets_beyond_int32():
@@ -113,13 +117,20 @@ def test_backward_offsets_beyond_int32():
     (docs/context-parallel.md, "Batch invariance"). The last sequence's dq, dk, dv, dg, dbeta and
     dh0 must lie within the oracle's bounds and equal, bit for bit, those of the same sequence run
     alone (a small call, every offset inside int32); the whole pack's gradients must be finite.
-    Needs ~120 GiB of free GPU memory, mostly the workspace: skips below what the shapes need.
-    Prints the peak of torch's allocator over the backward (docs/reliability.md records it)."""
+    The workspace then holds one block of chunk slots (docs/design.md) and the chunk-start states
+    (past 2^31 elements too): ~40 GiB in all; skips below what the shapes need. Where ~125 GiB are
+    free, the same call with one block (FLASHGDN_BWD_BLOCK_SLOTS: every per-chunk array past 2^31
+    elements) must give the last sequence the same bits. Prints the peak of torch's allocator over
+    the backward (docs/reliability.md records it)."""
     Hq, Hv, D, L = 16, 64, 128, 300
     T = (2**31) // (Hv * D) + 8000  # the last sequence starts past element 2^31 of v
     n_qk, n_v, n_gb = T * Hq * D, T * Hv * D, T * Hv
-    # q, k, dq, dk and v, do, dv in bf16; g, beta, dg, dbeta in fp32; the workspace; 1 GiB for the rest.
-    need = 2 * (4 * n_qk + 3 * n_v) + 4 * 4 * n_gb + BWD_WORKSPACE_PER_TOKEN_HEAD * n_gb + 2**30
+    # q, k, dq, dk and v, do, dv in bf16; g, beta, dg, dbeta in fp32; the workspace (a block and the
+    # chunk-start states, fp32, a row per chunk slot and one spare); 1 GiB for the rest.
+    io = 2 * (4 * n_qk + 3 * n_v) + 4 * 4 * n_gb
+    states = ((T + 63) // 64 + 3) * Hv * D * D * 4
+    need = io + states + BWD_BLOCK_BYTES + 2**30
+    need_one_block = io + BWD_WORKSPACE_PER_TOKEN_HEAD * n_gb + 2**30
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
@@ -163,9 +174,31 @@ def test_backward_offsets_beyond_int32():
     tail = slice(T - L, T)
     packed = {name: getattr(gr, name)[:, tail].clone() for name in names[:5]}
     packed["dh0"] = gr.dh0[1:].clone()
+    del gr
+    torch.cuda.empty_cache()
+    if torch.cuda.mem_get_info()[0] >= need_one_block:  # one block: the per-chunk arrays past 2^31 too
+        old = os.environ.get("FLASHGDN_BWD_BLOCK_SLOTS")
+        os.environ["FLASHGDN_BWD_BLOCK_SLOTS"] = str(2**40)
+        try:
+            one = chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                             cu_seqlens_host=cu.cpu(), **kw)
+            torch.cuda.synchronize()
+        finally:
+            if old is None:
+                del os.environ["FLASHGDN_BWD_BLOCK_SLOTS"]
+            else:
+                os.environ["FLASHGDN_BWD_BLOCK_SLOTS"] = old
+        for name in names:
+            x = getattr(one, name)
+            x = x[1:] if name == "dh0" else x[:, tail]
+            assert torch.equal(packed[name], x), f"{name}: one block against blocks of chunk slots ({ctx})"
+        del one
+        torch.cuda.empty_cache()
+    else:
+        print(f"one-block comparison skipped: {need_one_block / 2**30:.0f} GiB not free")
     small = [x[:, tail].contiguous() for x in (q, k, v, g, beta, do)]
     h0_1, dht_1 = h0[1:].clone(), dht[1:].clone()
-    del gr, q, k, v, g, beta, do, x
+    del q, k, v, g, beta, do, x
     torch.cuda.empty_cache()
     c = make_case(lengths=[L], Hq=Hq, Hv=Hv, K=D, V=D, device="cpu", l2norm=True)  # bookkeeping for check()
     c.q, c.k, c.v, c.g, c.beta = (x.cpu() for x in small[:5])
