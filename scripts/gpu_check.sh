@@ -209,15 +209,25 @@ if has bwd; then
       --iters 7 --cp off >"$LOG/bwd-time-cpoff-${heads/\//-}.log" 2>&1
     note "backward ms, default, CP off ($heads 1x32768)" "$(grep -E '^\| (backward|forward\+backward) ' "$LOG/bwd-time-cpoff-${heads/\//-}.log" | tr -s ' ' | tr '\n' ' ')"
   done
+  # The per-chunk steps in one block (FLASHGDN_BWD_BLOCK_SLOTS above the slot count: the schedule
+  # before blocks of chunk slots, docs/design.md) beside the automatic blocks, same machine.
+  FLASHGDN_BWD_BLOCK_SLOTS=1000000000 "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 \
+    --check 0 --iters 7 >"$LOG/bwd-time-oneblock.log" 2>&1
+  note "backward ms, default, one block (16/64 1x32768)" "$(grep -E '^\| (backward|forward\+backward) |workspace' "$LOG/bwd-time-oneblock.log" | tr -s ' ' | tr '\n' ' ')"
   if command -v ncu >/dev/null; then
-    ncu --metrics gpu__time_duration.sum \
-      "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 --check 0 --iters 1 \
-      >"$LOG/bwd-kernels.log" 2>&1
-    # Every kernel of the run, the forward's included; the backward's are the *_kernel names.
-    note "kernels, ms (16/64 1x32768 fwd+bwd, Nsight)" "$(awk '/Context [0-9]+, Stream/ {
-        k = "?"; if (match($0, /[A-Za-z0-9_]+_kernel(<[^>]*>)?/)) k = substr($0, RSTART, RLENGTH) }
-      /gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "us") v = v / 1000; printf "%s %.2f; ", k, v }' \
-      "$LOG/bwd-kernels.log")"
+    # Every kernel of the run, the forward's included (the backward's are the *_kernel names):
+    # each name's summed time and launch count, with the automatic blocks and with one block.
+    for blocks in auto one; do
+      slots=0
+      [ $blocks = one ] && slots=1000000000
+      FLASHGDN_BWD_BLOCK_SLOTS=$slots ncu --metrics gpu__time_duration.sum \
+        "$BUILD/flashgdn_run" --device cuda --T 32768 --Hq 16 --Hv 64 --backward 1 --check 0 --iters 1 \
+        >"$LOG/bwd-kernels-$blocks.log" 2>&1
+      note "kernels, ms x launches (16/64 1x32768 fwd+bwd, Nsight, blocks: $blocks)" "$(awk '/Context [0-9]+, Stream/ {
+          k = "?"; if (match($0, /[A-Za-z0-9_]+_kernel(<[^>]*>)?/)) k = substr($0, RSTART, RLENGTH) }
+        /gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "us") v = v / 1000; if (!(k in t)) o[++n] = k; t[k] += v; c[k]++ }
+        END { for (i = 1; i <= n; ++i) printf "%s %.2f x%d; ", o[i], t[o[i]], c[o[i]] }' "$LOG/bwd-kernels-$blocks.log")"
+    done
   fi
 fi
 
