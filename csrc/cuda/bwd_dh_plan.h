@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 
 #include "common/problem.h"
 #include "flashgdn/flashgdn.h"
@@ -77,8 +78,6 @@ struct BlockPlan {
   int64_t count = 1;
 };
 
-inline int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
-
 inline BlockPlan block_plan(int64_t total_slots, size_t bytes_per_slot, int64_t Hv, int sms, bool reverse_split,
                             int64_t forced_slots) {
   BlockPlan b;
@@ -90,7 +89,8 @@ inline BlockPlan block_plan(int64_t total_slots, size_t bytes_per_slot, int64_t 
     const int64_t by_bytes = static_cast<int64_t>(kBlockBytes / std::max<size_t>(bytes_per_slot, 1));
     const int64_t by_waves = (4 * static_cast<int64_t>(sms) + hv - 1) / hv;
     slots = std::max<int64_t>({by_bytes, by_waves, 1});
-    const int64_t wave = sms / gcd64(hv, sms);  // slots whose Hv CTAs fill whole waves
+    // slots whose Hv CTAs fill whole waves
+    const int64_t wave = sms / std::gcd(hv, static_cast<int64_t>(sms));
     if (slots >= wave / 2) {  // the nearest whole number of waves, at least the four-wave floor
       const int64_t near = std::max<int64_t>((slots + wave / 2) / wave, 1) * wave;
       slots = near >= by_waves ? near : near + wave;
