@@ -280,9 +280,12 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
     sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, bytes, &k_full);
   };
   // One thread: QW and dOt of chunk j; the R walk takes QW only, its dOt zero from the start (so
-  // that its dO^T Q~ adds exact zeros: no branch among the products). Without kSplit the hi
-  // parts alone, QW's and dOt's (two copies: the lo parts lie between them).
-  const uint32_t qwo_bytes = walk.zero_inputs ? Im::kO - Im::kQW : Im::kQWOBytes;
+  // that its dO^T Q~ adds exact zeros: no branch among the products). With bf16 dO its lo part
+  // is zero and never read (the products skip it), so it is neither written (bwd_prep.cu) nor
+  // copied: the copy ends at dOt's hi part. Without kSplit the hi parts alone, QW's and dOt's
+  // (two copies: the lo parts lie between them).
+  constexpr uint32_t kOLoBytes = std::is_same_v<TQ, __nv_bfloat16> ? Im::kOPart : 0u;
+  const uint32_t qwo_bytes = walk.zero_inputs ? Im::kO - Im::kQW : Im::kQWOBytes - kOLoBytes;
   const auto load_qwo = [&](int64_t j) {
     const uint8_t* src = P.img + slot_row(j) * Im::kBytes;
     if constexpr (kSplit) {
