@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/dtype.h"
@@ -211,64 +212,90 @@ int main(int argc, char** argv) {
   // Inputs with realistic gates: per head A in [0, 16], head 0 with A = 0 (no decay),
   // g = -A * softplus(x + 1); beta in (0, 1); q, k, v standard normal (q, k normalised in the
   // kernel, or before the call with --qk-norm prenormalized).
-  // A counter-based generator (splitmix64) and Box-Muller: fast enough for the 10^9 samples of
-  // the largest shapes.
-  uint64_t counter = 20261123;
-  auto next = [&]() {
-    uint64_t z = (counter += 0x9e3779b97f4a7c15ull);
+  // A counter-based generator (splitmix64: draw n is a function of n alone) and Box-Muller (two
+  // draws a sample), so every buffer fills on all cores with the values of one sequential stream:
+  // draws are numbered in the order A, q, k, v, dO, g, beta, h0, dht.
+  const uint64_t seed = 20261123;
+  auto draw = [seed](uint64_t n) {  // the (n+1)-th output of splitmix64 from seed
+    uint64_t z = seed + (n + 1) * 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
   };
-  auto uni = [&]() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; };
-  auto normal = [&]() { return std::sqrt(-2.0 * std::log(uni())) * std::cos(6.283185307179586 * uni()); };
+  auto uni = [&](uint64_t n) { return (static_cast<double>(draw(n) >> 11) + 0.5) * 0x1.0p-53; };
+  auto normal = [&](uint64_t n) {
+    const double r = std::sqrt(-2.0 * std::log(uni(n)));
+    return r * std::cos(6.283185307179586 * uni(n + 1));
+  };
+  uint64_t next_draw = 0;  // the first draw of the next buffer
+  // f(i) for i in [0, n) on every core.
+  auto parallel_for = [](size_t n, const std::function<void(size_t, size_t)>& f) {
+    const size_t workers = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), 64));
+    const size_t per = (n + workers - 1) / workers;
+    std::vector<std::thread> pool;
+    for (size_t b = 0; b < n; b += per) pool.emplace_back(f, b, std::min(n, b + per));
+    for (auto& t : pool) t.join();
+  };
   const size_t nq = B * T * Hq * K, nv = B * T * Hv * V, ng = B * T * Hv, ns = N * Hv * K * V;
   Buffer q(nq * 2, cuda), k(nq * 2, cuda), v(nv * 2, cuda), g(ng * 4, cuda), beta(ng * 4, cuda),
       h0(ns * 4, cuda), o(nv * 2, cuda), ht(ns * 4, cuda), d_o(nv * 2, cuda), dht(ns * 4, cuda),
       dq(nq * 2, cuda), dk(nq * 2, cuda), dv(nv * 2, cuda), dg(ng * 4, cuda), dbeta(ng * 4, cuda),
       dh0(ns * 4, cuda);
   auto fill_bf16 = [&](Buffer& b, double sd) {
-    for (size_t i = 0; i < b.host.size() / 2; ++i) {
-      const uint16_t h = float_to_bf16(static_cast<float>(sd * normal()));
-      std::memcpy(b.host.data() + 2 * i, &h, 2);
-    }
+    const uint64_t d0 = next_draw;
+    parallel_for(b.host.size() / 2, [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) {
+        const uint16_t h = float_to_bf16(static_cast<float>(sd * normal(d0 + 2 * i)));
+        std::memcpy(b.host.data() + 2 * i, &h, 2);
+      }
+    });
+    next_draw += b.host.size();  // two draws an element
     b.upload();
   };
-  auto fill_f32 = [&](Buffer& b, const std::function<double(size_t)>& f) {
-    for (size_t i = 0; i < b.host.size() / 4; ++i) {
-      const float x = static_cast<float>(f(i));
-      std::memcpy(b.host.data() + 4 * i, &x, 4);
-    }
+  // f(i, first draw of element i); draws_per draws an element.
+  auto fill_f32 = [&](Buffer& b, uint64_t draws_per, const std::function<double(size_t, uint64_t)>& f) {
+    const uint64_t d0 = next_draw;
+    parallel_for(b.host.size() / 4, [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) {
+        const float x = static_cast<float>(f(i, d0 + draws_per * i));
+        std::memcpy(b.host.data() + 4 * i, &x, 4);
+      }
+    });
+    next_draw += draws_per * (b.host.size() / 4);
     b.upload();
   };
   std::vector<double> A(Hv);
-  for (int64_t h = 0; h < Hv; ++h) A[h] = h == 0 ? 0.0 : 16.0 * uni();
+  for (int64_t h = 0; h < Hv; ++h) A[h] = h == 0 ? 0.0 : 16.0 * uni(next_draw++);
   // q, k rows: standard normal, or (--qk-norm prenormalized) divided by sqrt(|x|^2 + 1e-6), the
   // in-kernel norm's formula, before rounding to bf16.
   auto fill_qk = [&](Buffer& b) {
-    std::vector<double> row(static_cast<size_t>(K));
-    for (size_t r = 0; r < b.host.size() / 2 / K; ++r) {
-      double ss = 0;
-      for (auto& x : row) {
-        x = normal();
-        ss += x * x;
+    const uint64_t d0 = next_draw;
+    parallel_for(b.host.size() / 2 / K, [&](size_t lo, size_t hi) {
+      std::vector<double> row(static_cast<size_t>(K));
+      for (size_t r = lo; r < hi; ++r) {
+        double ss = 0;
+        for (int64_t c = 0; c < K; ++c) {
+          row[c] = normal(d0 + 2 * (r * K + c));
+          ss += row[c] * row[c];
+        }
+        const double f = opt.qk_norm_in_kernel ? 1.0 : 1.0 / std::sqrt(ss + 1e-6);
+        for (int64_t c = 0; c < K; ++c) {
+          const uint16_t h = float_to_bf16(static_cast<float>(f * row[c]));
+          std::memcpy(b.host.data() + 2 * (r * K + c), &h, 2);
+        }
       }
-      const double f = opt.qk_norm_in_kernel ? 1.0 : 1.0 / std::sqrt(ss + 1e-6);
-      for (int64_t c = 0; c < K; ++c) {
-        const uint16_t h = float_to_bf16(static_cast<float>(f * row[c]));
-        std::memcpy(b.host.data() + 2 * (r * K + c), &h, 2);
-      }
-    }
+    });
+    next_draw += b.host.size();
     b.upload();
   };
   fill_qk(q);
   fill_qk(k);
   fill_bf16(v, 1.0);
   fill_bf16(d_o, 1.0);
-  fill_f32(g, [&](size_t i) { const double x = normal() + 1.0; return -A[i % Hv] * std::log1p(std::exp(x)); });
-  fill_f32(beta, [&](size_t) { return uni(); });
-  fill_f32(h0, [&](size_t) { return 0.1 * normal(); });
-  fill_f32(dht, [&](size_t) { return 0.1 * normal(); });
+  fill_f32(g, 2, [&](size_t i, uint64_t d) { const double x = normal(d) + 1.0; return -A[i % Hv] * std::log1p(std::exp(x)); });
+  fill_f32(beta, 1, [&](size_t, uint64_t d) { return uni(d); });
+  fill_f32(h0, 2, [&](size_t, uint64_t d) { return 0.1 * normal(d); });
+  fill_f32(dht, 2, [&](size_t, uint64_t d) { return 0.1 * normal(d); });
 
   const fgdn_device_type dev = cuda ? FGDN_CUDA : FGDN_CPU;
   flashgdn::FwdArgs fa;
