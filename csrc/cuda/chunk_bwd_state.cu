@@ -59,8 +59,8 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   // 4.6e-3: bench/NOTES.md, step 14).
   const bool fast = P.precision_fast != 0;
   const bool h16 = states_in_bf16(fast, P.qkv_dtype);
-  sm90::chunk_states(p, in, fast ? sm90::Precision::kFast : sm90::Precision::kHigh, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row,
-                     fwd_workspace, s);
+  const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
+  sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
   const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));
   if (h16) start_states_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(P);
   else start_states_kernel<float><<<grid, 256, 0, s>>>(P);
