@@ -3,7 +3,7 @@
 # C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
 #
 #   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all);
-#                                         fuzz, sanitize-fuzz, fwd and bwd run only when named
+#                                         fuzz, sanitize-fuzz, fwd, bwd and ab run only when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Into $OUT (or /tmp/flashgdn-gpu) go three files,
@@ -228,6 +228,51 @@ if has bwd; then
         /gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "us") v = v / 1000; if (!(k in t)) o[++n] = k; t[k] += v; c[k]++ }
         END { for (i = 1; i <= n; ++i) printf "%s %.2f x%d; ", o[i], t[o[i]], c[o[i]] }' "$LOG/bwd-kernels-$blocks.log")"
     done
+  fi
+fi
+
+if has ab; then
+  # One A/B on one machine (bench/NOTES.md's before/after): the base of scripts/ab_base.sh
+  # (.ab/base, carried) built beside this tree, then flashgdn_run on both, interleaved, AB_REPS
+  # times (default 3): the backward (or AB_MODE=forward: the forward alone) at each of AB_LEVELS
+  # (default "default fast") on each of AB_ROWS (Hq/Hv/T, default "16/64/32768 2/8/32768"), and
+  # both trees' errors at 16/64, T = 2048. Logs: ab-* in logs.tar.gz.
+  if [ ! -f .ab/base/CMakeLists.txt ]; then
+    note "A/B" "no .ab/base (bash scripts/ab_base.sh REF here, then carry .ab)"
+  else
+    t0=$SECONDS
+    base=$(cat .ab/base/COMMIT 2>/dev/null || echo unknown)
+    { cmake -S .ab/base -B .ab/base/build -G Ninja -DCMAKE_BUILD_TYPE=Release &&
+      cmake --build .ab/base/build -j "$(nproc)"; } >"$LOG/ab-build.log" 2>&1 ||
+      { tail -30 "$LOG/ab-build.log"; exit 1; }
+    ab_run() {  # tree (base | tree), flashgdn_run arguments; prints its table rows on one line
+      local b=$BUILD
+      [ "$1" = base ] && b=.ab/base/build
+      shift
+      LD_LIBRARY_PATH=$PWD/$b "$b/flashgdn_run" --device cuda "$@" 2>&1 |
+        grep -E '^\| (forward|backward|o|final_state|d[a-z0-9]+) \||workspace' | tr -s ' ' | tr '\n' ' '
+    }
+    bwd=1
+    [ "${AB_MODE:-backward}" = forward ] && bwd=0
+    for rep in $(seq "${AB_REPS:-3}"); do
+      for row in ${AB_ROWS:-16/64/32768 2/8/32768}; do
+        IFS=/ read -r hq hv tt <<<"$row"
+        for pr in ${AB_LEVELS:-default fast}; do
+          for tree in base tree; do
+            line=$(ab_run $tree --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 --precision "$pr")
+            echo "$tree $pr $row rep $rep: $line" >>"$LOG/ab-times.log"
+            note "A/B ms, $tree ($([ $tree = base ] && echo "$base" || echo this tree)), $pr, $hq/$hv 1x$tt, rep $rep" "$line"
+          done
+        done
+      done
+    done
+    for pr in ${AB_LEVELS:-default fast}; do
+      for tree in base tree; do
+        note "A/B errors, $tree, $pr (16/64, T 2048)" \
+          "$(ab_run $tree --T 2048 --Hq 16 --Hv 64 --backward $bwd --check 1 --precision "$pr" | grep -oE '\| (o|final_state|d[a-z0-9]+) \| [0-9.e+-]+ \|' | tr '\n' ' ')"
+      done
+    done
+    note "A/B" "base $base against this tree ($((SECONDS - t0)) s)"
   fi
 fi
 
