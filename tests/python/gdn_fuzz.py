@@ -533,6 +533,29 @@ def _fp16_range_explains(s: Spec, device: str) -> bool:
     return True
 
 
+def _d5_shape(s: Spec) -> bool:
+    """D5's inputs: a backward below `high` with a chunk of at most 4 tokens that starts from a
+    nonzero state (a sequence's last chunk after a full one, or its only chunk with an initial
+    state), where a dot product over the chunk's few tokens does not average the 16-bit
+    intermediates' roundings down (docs/reliability.md, D5)."""
+    if not s.backward or s.precision == "high":
+        return False
+    lengths = s.lengths[:1] if not s.varlen else s.lengths
+    return any(0 < n % 64 <= 4 and (n > 64 or s.h0 is not None) for n in lengths)
+
+
+def _short_chunk_explains(s: Spec, device: str) -> bool:
+    """D5: on CUDA, a failure of a call of D5's shape that the same case at `high` (split operands:
+    none of those 16-bit intermediates) does not have."""
+    if device != "cuda" or not _d5_shape(s):
+        return False
+    try:
+        run_case(replace(s, precision="high"), device)
+    except AssertionError:
+        return False
+    return True
+
+
 class KnownDefect(AssertionError):
     """A failure that a defect of KNOWN_DEFECTS explains."""
 
@@ -651,6 +674,11 @@ KNOWN_DEFECTS = {
     "D3": ("CUDA `fast`, bf16, beta = 2 on every token (each update the reflection I - 2 k k^T, no "
            "decay to damp rounding): o's relative error 6.3e-3 against the forward's 6e-3 bound "
            "(test_extreme.py::test_beta_extremes[2.0-cuda], 2026-11-27)"),
+    "D5": ("CUDA backward below `high`: a chunk of a few tokens that starts from a nonzero state (one "
+           "token with an initial state; 65 tokens): dq, dk, dbeta or dg above their bound (dk 1.02e-2 "
+           "against 8e-3) from the 16-bit intermediates (V_new, the staged S0, the WY operands), whose "
+           "roundings a dot product over so few tokens does not average down; `high` passes "
+           "(found by the H200 campaign of 2026-11-28; cause: docs/reliability.md)"),
 }
 
 
@@ -800,6 +828,9 @@ def campaign(device: str, cases: int, seed: int = 0, max_tokens: int = 300,
                 continue
             if isinstance(e, AssertionError) and _fp16_range_explains(s, device):
                 rep.known["D2"] += 1
+                continue
+            if isinstance(e, AssertionError) and _short_chunk_explains(s, device):
+                rep.known["D5"] += 1
                 continue
             err = f"{type(e).__name__}: {e}"
             small, runs = shrink(s, device, budget=shrink_budget)

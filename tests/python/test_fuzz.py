@@ -58,6 +58,24 @@ def test_regression(spec, device):
     run_case(spec, device)
 
 
+def test_d5_shape_is_the_regression_cases_shape():
+    """The D5 classifier's shape test (gdn_fuzz._d5_shape) holds for D5's regression cases and
+    not for the same calls at `high`, without an initial state, or with a full last chunk."""
+    from dataclasses import replace
+
+    from gdn_fuzz import _d5_shape
+
+    with open(os.path.join(HERE, "fuzz_regressions.json")) as f:
+        d5 = [Spec.from_dict(e["spec"]) for e in json.load(f) if e.get("known_defect") == "D5"]
+    assert len(d5) == 2
+    for s in d5:
+        assert _d5_shape(s)
+        assert not _d5_shape(replace(s, precision="high"))
+        assert not _d5_shape(replace(s, h0=None, lengths=[1] * len(s.lengths)))
+        assert not _d5_shape(replace(s, lengths=[64] * len(s.lengths)))
+        assert _d5_shape(replace(s, h0=None, lengths=[65] * len(s.lengths)))
+
+
 def test_check_takes_values_beyond_the_dtype_as_rounded():
     """check() accepts +-inf (or the largest finite value) where the oracle's exact value lies
     beyond the output dtype (it is that value rounded), and still fails a finite wrong value
