@@ -521,16 +521,18 @@ def run_case(s: Spec, device: str = "cpu") -> Dict[str, float]:
     return errs
 
 
-def _fp16_range_explains(s: Spec, device: str) -> bool:
-    """D2: on CUDA, a failure of an fp16 call that the same case in bf16 (the same values, float32's
-    exponent range for the tensor-core operands the kernel computes) does not have."""
-    if device != "cuda" or s.dtype != "fp16":
-        return False
+def _passes(s: Spec, device: str) -> bool:
     try:
-        run_case(replace(s, dtype="bf16"), device)
+        run_case(s, device)
     except AssertionError:
         return False
     return True
+
+
+def _fp16_range_explains(s: Spec, device: str) -> bool:
+    """D2: on CUDA, a failure of an fp16 call that the same case in bf16 (the same values, float32's
+    exponent range for the tensor-core operands the kernel computes) does not have."""
+    return device == "cuda" and s.dtype == "fp16" and _passes(replace(s, dtype="bf16"), device)
 
 
 def _d5_shape(s: Spec) -> bool:
@@ -547,13 +549,7 @@ def _d5_shape(s: Spec) -> bool:
 def _short_chunk_explains(s: Spec, device: str) -> bool:
     """D5: on CUDA, a failure of a call of D5's shape that the same case at `high` (split operands:
     none of those 16-bit intermediates) does not have."""
-    if device != "cuda" or not _d5_shape(s):
-        return False
-    try:
-        run_case(replace(s, precision="high"), device)
-    except AssertionError:
-        return False
-    return True
+    return device == "cuda" and _d5_shape(s) and _passes(replace(s, precision="high"), device)
 
 
 class KnownDefect(AssertionError):
