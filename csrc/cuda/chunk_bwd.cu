@@ -88,7 +88,9 @@ BlockRegions block_regions(const Problem& p, size_t Sb) {
   R.off[kDqh] = 0;
   R.off[kDkh] = align256(n[kDqh] * sizeof(float));
   const size_t dqk = R.off[kDkh] + align256(n[kDkh] * sizeof(float));
-  const size_t img = align256(S * Hv * (D == 128 ? bwd::Images<128>::kBytes : bwd::Images<64>::kBytes));
+  const bool hi_only = p.precision == FGDN_PRECISION_FAST;  // the images' lo parts: none at `fast`
+  const size_t per_unit = D == 128 ? bwd::Images<128>::at(hi_only).bytes : bwd::Images<64>::at(hi_only).bytes;
+  const size_t img = align256(S * Hv * per_unit);
   R.dqk_img = std::max(dqk, img);
   return R;
 }

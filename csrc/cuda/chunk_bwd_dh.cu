@@ -274,10 +274,13 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   const uint32_t img_addr = sm90::smem_addr(img);
 
   const auto slot_row = [&](int64_t j) { return chain_row(P, n, j, si.t0, h); };
+  // The workspace's placement (hi parts alone without kSplit: bwd_prep.cu writes no lo part at
+  // `fast`); shared memory keeps the full layout.
+  constexpr auto ip = Im::at(!kSplit);
   const auto load_k = [&](int64_t j) {  // one thread: K~ of chunk j (hi + lo, or hi)
     constexpr uint32_t bytes = kSplit ? Im::kKBytes : Im::kKPart;
     k_full.arrive_expect_tx(bytes);
-    sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * Im::kBytes + Im::kK, bytes, &k_full);
+    sm90::bulk_load(img + Im::kK, P.img + slot_row(j) * ip.bytes + ip.k, bytes, &k_full);
   };
   // One thread: QW and dOt of chunk j; the R walk takes QW only, its dOt zero from the start (so
   // that its dO^T Q~ adds exact zeros: no branch among the products). With bf16 dO its lo part
@@ -287,14 +290,14 @@ __global__ void __launch_bounds__(D * 2) dh_kernel(BwdParams P) {
   constexpr uint32_t kOLoBytes = std::is_same_v<TQ, __nv_bfloat16> ? Im::kOPart : 0u;
   const uint32_t qwo_bytes = walk.zero_inputs ? Im::kO - Im::kQW : Im::kQWOBytes - kOLoBytes;
   const auto load_qwo = [&](int64_t j) {
-    const uint8_t* src = P.img + slot_row(j) * Im::kBytes;
+    const uint8_t* src = P.img + slot_row(j) * ip.bytes;
     if constexpr (kSplit) {
       qwo_full.arrive_expect_tx(qwo_bytes);
-      sm90::bulk_load(img + Im::kQW, src + Im::kQW, qwo_bytes, &qwo_full);
+      sm90::bulk_load(img + Im::kQW, src + ip.qw, qwo_bytes, &qwo_full);
     } else {
       qwo_full.arrive_expect_tx(Im::kQWPart + (walk.zero_inputs ? 0u : Im::kOPart));
-      sm90::bulk_load(img + Im::kQW, src + Im::kQW, Im::kQWPart, &qwo_full);
-      if (!walk.zero_inputs) sm90::bulk_load(img + Im::kO, src + Im::kO, Im::kOPart, &qwo_full);
+      sm90::bulk_load(img + Im::kQW, src + ip.qw, Im::kQWPart, &qwo_full);
+      if (!walk.zero_inputs) sm90::bulk_load(img + Im::kO, src + ip.o, Im::kOPart, &qwo_full);
     }
   };
   if (tid == 0) {

@@ -11,7 +11,9 @@
 //                                                                   (B of dS^T += dO^T Q~ - dV_new^T W)
 //   dOt  [D][64 tokens]            dO^T                              (A of dO^T Q~)
 // Layout: K~ hi, K~ lo (D / 64 tiles of 64 rows each), QW hi, QW lo (two tiles of D rows), dOt hi,
-// dOt lo (one tile of D rows).
+// dOt lo (one tile of D rows). At `fast` nothing reads a lo part (the reverse pass takes hi*hi
+// alone), and the workspace holds the hi parts alone, in the same order (Images::at): half the
+// bytes. The reverse pass's shared memory keeps the full layout at every level.
 #pragma once
 
 #include <cstddef>
@@ -35,6 +37,16 @@ struct Images {
   static constexpr uint32_t kBytes = kO + 2 * kOPart;         // 128 KB at D = 128
   static constexpr uint32_t kKBytes = 2 * kKPart;             // the copies: K~, then QW and dOt
   static constexpr uint32_t kQWOBytes = kBytes - kQW;
+  static constexpr uint32_t kHiBytes = kKPart + kQWPart + kOPart;  // the hi parts alone (`fast`)
+
+  // Where the images of one (chunk slot, value head) lie in the workspace: every part, or
+  // (hi_only, at `fast`) the hi parts alone.
+  struct Placement {
+    uint32_t k, qw, o, bytes;
+  };
+  __host__ __device__ static constexpr Placement at(bool hi_only) {
+    return hi_only ? Placement{0, kKPart, kKPart + kQWPart, kHiBytes} : Placement{kK, kQW, kO, kBytes};
+  }
 };
 
 // chunk_prep builds one image part pair (hi, lo) at a time in this much dynamic shared memory,

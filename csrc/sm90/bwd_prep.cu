@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     }
   }
 
-  uint8_t* img = P.img + r * Im::kBytes;
+  const auto ip = Im::at(P.precision_fast != 0);  // where this unit's images go (hi only at `fast`)
+  uint8_t* img = P.img + r * ip.bytes;
   // The lo parts only where the reverse pass reads them: its split products (not at `fast`),
   // and of dO^T only for fp16 dO (a bf16 dO's lo part is zero: chunk_bwd_dh.cu skips it).
   const bool lo_parts = !P.precision_fast;
@@ -249,7 +250,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
         w[b][e] = -w[b][e];
         put_image_one(S.u.stage0, kHalf, 64 * b + ac.col(e), ac.row(e), w[b][e]);  // row a, column t
       }
-    ship(S.u.stage0, Im::kQW + Im::kQWTile, Im::kQW + Im::kQWPart + Im::kQWTile, Im::kQWTile, kBar, lo_parts);
+    ship(S.u.stage0, ip.qw + Im::kQWTile, ip.qw + Im::kQWPart + Im::kQWTile, Im::kQWTile, kBar, lo_parts);
     tl::product_rs<bf16, D, 1>(u, w, S.h, D * 128);
     tl::finish(u);
     // V_new in the inputs' type: dqk (below high, as this kernel) stages it so anyway.
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
         put_image_pair(S.stage1 + (a / 64) * 64 * 128, kHalf, t, a % 64, s_ke[t] * x[u].x, s_ke[t] * x[u].y);
       }
     }
-    ship(S.stage1, Im::kK, Im::kK + Im::kKPart, Im::kKPart, kBar, lo_parts);
+    ship(S.stage1, ip.k, ip.k + Im::kKPart, Im::kKPart, kBar, lo_parts);
     {  // Q~^T: lane l takes the token pair 2 l, 2 l + 1 and 8 consecutive a (one 32-byte sector
        // of each token's row); each write is then one whole 128-byte image row for the warp
       const int lane = wtid & 31, warp = wtid >> 5, t = 2 * lane;
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
         for (int k = 0; k < 8; ++k) put_image_pair(S.stage1, kHalf, a + k, t, e0 * q0[k], e1 * q1[k]);
       }
     }
-    ship(S.stage1, Im::kQW, Im::kQW + Im::kQWPart, Im::kQWTile, kBar, lo_parts);
+    ship(S.stage1, ip.qw, ip.qw + Im::kQWPart, Im::kQWTile, kBar, lo_parts);
     // dO^T from dO's tile (rows past len are zero there): items are 2 x 2 blocks, rows v, v + 1.
     const uint8_t* ot = reinterpret_cast<const uint8_t*>(S.o);
     constexpr int kBatch = 8;
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
         put_image_pair(S.stage1, kHalf, v + 1, t, x[u][0].y, x[u][1].y);
       }
     }
-    ship(S.stage1, Im::kO, Im::kO + Im::kOPart, Im::kOPart, kBar, lo_parts && kDoLo);
+    ship(S.stage1, ip.o, ip.o + Im::kOPart, Im::kOPart, kBar, lo_parts && kDoLo);
   }
 }
 
