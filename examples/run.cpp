@@ -6,10 +6,11 @@
 //
 //   flashgdn_run [--device auto|cpu|cuda] [--T n] [--Hq n] [--Hv n] [--K n] [--iters n]
 //                [--precision default|fast|high[,...]] [--backward 0|1] [--check 0|1]
-//                [--cp auto|on|off] [--cp-segment TOKENS]
+//                [--cp auto|on|off] [--cp-segment TOKENS] [--digest 0|1]
 // With several precisions, the forward runs (and is checked) once for each; the backward once,
 // at the first. --cp and --cp-segment set the forward's context parallelism and the backward's
 // (its reverse pass).
+// --digest 1 prints a hash of every output's bytes (bit-equality of two builds on one input).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -50,6 +51,7 @@ struct Options {
   int64_t T = -1, Hq = 16, Hv = 64, K = 128, iters = 5;
   std::vector<fgdn_precision> precisions{FGDN_PRECISION_DEFAULT};
   bool backward = true, check = true;
+  bool digest = false;  // --digest 1: a 64-bit FNV-1a hash of every output's bytes
   int32_t cp = FGDN_CONTEXT_PARALLEL_AUTO;
   int64_t cp_segment = 0;
   bool qk_norm_in_kernel = true;  // --qk-norm in_kernel | prenormalized (rows normalised here)
@@ -91,6 +93,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--precision") o.precisions = parse_precisions(v);
     else if (k == "--backward") o.backward = std::atoi(v) != 0;
     else if (k == "--check") o.check = std::atoi(v) != 0;
+    else if (k == "--digest") o.digest = std::atoi(v) != 0;
     else if (k == "--cp" && (std::string(v) == "on" || std::string(v) == "off" || std::string(v) == "auto"))
       o.cp = std::string(v) == "on" ? FGDN_CONTEXT_PARALLEL_ON
            : std::string(v) == "off" ? FGDN_CONTEXT_PARALLEL_OFF
@@ -175,6 +178,13 @@ void sync() {
 #ifdef FLASHGDN_WITH_CUDA
   cudaDeviceSynchronize();
 #endif
+}
+
+// FNV-1a over a buffer's bytes.
+uint64_t fnv1a(const std::vector<unsigned char>& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
 }
 
 // Median wall time in ms of f over iters runs after one warm-up.
@@ -363,6 +373,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     for (Buffer* b : {&o, &ht, &dq, &dk, &dv, &dg, &dbeta, &dh0}) b->download();
+    if (opt.digest) {  // the outputs' bits, for "same bits" claims across two builds
+      std::printf("\ndigest %s:", precision_name(prec));
+      const std::pair<const char*, const Buffer*> outs[] = {{"o", &o},   {"final_state", &ht}, {"dq", &dq},
+                                                            {"dk", &dk}, {"dv", &dv},          {"dg", &dg},
+                                                            {"dbeta", &dbeta}, {"dh0", &dh0}};
+      for (const auto& [name, b] : outs)
+        if (with_backward || b == &o || b == &ht) std::printf(" %s=%016llx", name, (unsigned long long)fnv1a(b->host));
+      std::printf("\n");
+    }
     std::printf("\nprecision %s\n\n| pass | ms (median of %lld) |\n|---|---|\n", precision_name(prec),
                 (long long)opt.iters);
     std::printf("| forward | %.3f |\n", fwd_ms);
