@@ -209,9 +209,20 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
   sm90::fence_proxy_async();  // the tiles, written by ordinary stores, are read by wgmma
   __syncthreads();
 
-  // dPD_ij from the raw product x: masked to j <= i < L, gated and scaled.
-  const auto gate_pd = [&](int i, int j, float x) {
-    return (j <= i && i < len) ? P.scale * expf(s_c[i] - s_c[j]) * x : 0.f;
+  // dPD_ij from the raw products in acc: masked to j <= i < L, gated and scaled; i is the
+  // accumulator's row (transposed = false) or column (true). Every element computed, then the
+  // mask selected (AccCoord::rows_of: no branch a element).
+  const auto gate_pd = [&](float (&acc)[1][32], bool transposed) {
+    float cr[2], cc[16];
+    ac.rows_of(s_c, cr), ac.cols_of(s_c, cc);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int a = tl::AccCoord::row_slot(e), b = tl::AccCoord::col_slot(e);
+      const int i = transposed ? ac.col(e) : ac.row(e), j = transposed ? ac.row(e) : ac.col(e);
+      const float ci = transposed ? cc[b] : cr[a], cj = transposed ? cr[a] : cc[b];
+      const float x = P.scale * expf(ci - cj) * acc[0][e];
+      acc[0][e] = (j <= i && i < len) ? x : 0.f;
+    }
   };
   // fp32 stores of a 64 x D accumulator into a [64][D] workspace block.
   const auto store_rows = [&](float* dst, const float (&acc)[kB][32]) {
@@ -244,8 +255,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
     scale_rows(dq, s_q);
     tl::row_dot(ac, dq, qn, lds, s_qdot);
     // L_ij = dPD_ij QK_ij for j < i: +L to dc_i (row sums), -L to dc_j (column sums).
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dp[0][e] = gate_pd(ac.row(e), ac.col(e), dp[0][e]);
+    gate_pd(dp, false);
     const auto pair = [&](int e) { return ac.col(e) < ac.row(e) ? dp[0][e] * qk[0][e] : 0.f; };
     tl::row_col_sums(ac, pair, pair, s_rowp, s_colp);
     tl::product_rs<TQ, D, 1>(dq, dp, S.kn);
@@ -263,8 +273,7 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
     tl::fence(dpt);
     scale_rows(dk, s_e);
     tl::row_dot(ac, dk, kn, lds, s_kdot);
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dpt[0][e] = gate_pd(ac.col(e), ac.row(e), dpt[0][e]);  // (j, i): dPD_ij
+    gate_pd(dpt, true);  // (j, i): dPD_ij
     tl::product_rs<TQ, D, 1>(dk, dpt, A.qn);
     tl::finish(dk);
     // dk's state part to shared memory (fp32, the values dkh held), for phase B's sum
@@ -328,34 +337,25 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
   float* dkg = P.dkh + r * kC * D;
 
   if (wg == 0) {
-    // ---- X = T^T dU: dv, dbeta (V . X);  dT;  M = dT T^T -> shared memory -----------------
-    float x[kB][32], puv[1][32], pwk[1][32];
-    tl::zero(x);
+    // ---- dT, M = dT T^T -> shared memory (warpgroup 1 waits for M: first);  X = T^T dU: dv,
+    // dbeta (V . X) --------------------------------------------------------------------------
+    float puv[1][32], pwk[1][32];
     tl::zero(puv);
     tl::zero(pwk);
     tl::begin_products();
-    tl::product_ss<TQ, D, 64, 1>(x, B.tt, S.dvn, false);
     tl::product_ss<TQ, 64, D, 0>(puv, S.dvn, B.v, false);
     tl::product_ss<TQ, 64, D, 0>(pwk, S.dw, S.kn, false);
-    tl::finish(x);
-    tl::fence(puv);
+    tl::finish(puv);
     tl::fence(pwk);
-    tl::row_dot_tile<TQ>(ac, x, reinterpret_cast<const uint8_t*>(B.v), s_vx);  // V exact in its tile
-    TQ* dvo = static_cast<TQ*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0, h);
-#pragma unroll
-    for (int bb = 0; bb < kB; ++bb)
-#pragma unroll
-      for (int e = 0; e < 32; e += 2) {
-        const int i = ac.row(e);
-        if (i < len)
-          *reinterpret_cast<uint32_t*>(dvo + i * P.dv.s1 + 64 * bb + ac.col(e)) =
-              pack2<TQ>(s_beta[i] * x[bb][e], s_beta[i] * x[bb][e + 1]);
-      }
     // dT_ij = beta_j (dU V^T + exp(c_j) dW Kn^T)_ij (into puv), then M = dT T^T
+    {
+      float bj[16], ecj[16];
+      ac.cols_of(s_beta, bj), ac.cols_of(s_ec, ecj);
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int j = ac.col(e);
-      puv[0][e] = s_beta[j] * (puv[0][e] + s_ec[j] * pwk[0][e]);
+      for (int e = 0; e < 32; ++e) {
+        const int b = tl::AccCoord::col_slot(e);
+        puv[0][e] = bj[b] * (puv[0][e] + ecj[b] * pwk[0][e]);
+      }
     }
     tl::zero(pwk);
     tl::product_rs<TQ, 64, 0>(pwk, puv, B.tn);
@@ -364,7 +364,26 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
     for (int e = 0; e < 32; e += 2)
       tl::put2<TQ>(reinterpret_cast<uint8_t*>(B.m), tl::kTile64, ac.row(e), ac.col(e), pwk[0][e], pwk[0][e + 1]);
     sm90::fence_proxy_async();
-    sm90::named_barrier_sync(static_cast<uint32_t>(WyBarrier::kM), tl::kThreads);
+    sm90::named_barrier_arrive(static_cast<uint32_t>(WyBarrier::kM), tl::kThreads);  // warpgroup 1 syncs
+
+    float x[kB][32];
+    tl::zero(x);
+    tl::begin_products();
+    tl::product_ss<TQ, D, 64, 1>(x, B.tt, S.dvn, false);
+    tl::finish(x);
+    tl::row_dot_tile<TQ>(ac, x, reinterpret_cast<const uint8_t*>(B.v), s_vx);  // V exact in its tile
+    TQ* dvo = static_cast<TQ*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0, h);
+    float br[2];
+    ac.rows_of(s_beta, br);
+#pragma unroll
+    for (int bb = 0; bb < kB; ++bb)
+#pragma unroll
+      for (int e = 0; e < 32; e += 2) {
+        const int i = ac.row(e);
+        const float b = br[tl::AccCoord::row_slot(e)];
+        if (i < len)
+          *reinterpret_cast<uint32_t*>(dvo + i * P.dv.s1 + 64 * bb + ac.col(e)) = pack2<TQ>(b * x[bb][e], b * x[bb][e + 1]);
+      }
   } else {
     // ---- Y = T^T dW: dk, dbeta, dc;  G = -(T^T M) (.) D;  dk += E Kn + E^T Kn --------------
     float y[kB][32], kk[1][32], gm[1][32];
@@ -385,18 +404,25 @@ __global__ void __launch_bounds__(tl::kThreads, 1) dqk_wy_sm90_kernel(BwdParams 
     tl::begin_products();
     tl::product_ss<TQ, 64, 64, 1>(gm, B.tt, B.m, false);
     tl::finish(gm);
+    float br[2];
+    ac.rows_of(s_beta, br);
+    {  // every element computed, i > j (and i < L) kept: no branch a element
+      float ci[2], cj[16];
+      ac.rows_of(s_c, ci), ac.cols_of(s_c, cj);
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int i = ac.row(e), j = ac.col(e);
-      gm[0][e] = (i > j && i < len) ? -gm[0][e] * expf(s_c[i] - s_c[j]) : 0.f;
+      for (int e = 0; e < 32; ++e) {
+        const int i = ac.row(e), j = ac.col(e);
+        const float x = -gm[0][e] * expf(ci[tl::AccCoord::row_slot(e)] - cj[tl::AccCoord::col_slot(e)]);
+        gm[0][e] = (i > j && i < len) ? x : 0.f;
+      }
     }
     // dbeta_i += sum_j G_ij KK_ij; dc_i += sum_j E_ij KK_ij - sum_j E_ji KK_ji (E = diag(beta) G)
     tl::row_col_sums(
         ac, [&](int e) { return gm[0][e] * kk[0][e]; },
-        [&](int e) { return s_beta[ac.row(e)] * gm[0][e] * kk[0][e]; }, s_gk, s_cole);
+        [&](int e) { return br[tl::AccCoord::row_slot(e)] * gm[0][e] * kk[0][e]; }, s_gk, s_cole);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
-      gm[0][e] *= s_beta[ac.row(e)];  // E
+      gm[0][e] *= br[tl::AccCoord::row_slot(e)];  // E
       tl::put1<TQ>(reinterpret_cast<uint8_t*>(B.et), tl::kTile64, ac.col(e), ac.row(e), gm[0][e]);
     }
     sm90::fence_proxy_async();

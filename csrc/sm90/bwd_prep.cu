@@ -213,23 +213,33 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     tl::begin_products();
     tl::product_ss<TQ, 64, D, 0>(kk, S.kr, S.kr, false);
     tl::finish(kk);
+    {  // every element computed, the strict lower triangle kept (AccCoord::rows_of: no branches)
+      float ci[2], bi[2], rki[2], cj[16], rkj[16];
+      ac.rows_of(s_c, ci), ac.rows_of(s_beta, bi), ac.rows_of(s_rk, rki);
+      ac.cols_of(s_c, cj), ac.cols_of(s_rk, rkj);
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int i = ac.row(e), j = ac.col(e);
-      S.u.at.af[i][j] = i > j ? s_beta[i] * expf(s_c[i] - s_c[j]) * (s_rk[i] * s_rk[j] * kk[0][e]) : 0.f;
+      for (int e = 0; e < 32; ++e) {
+        const int a = tl::AccCoord::row_slot(e), b = tl::AccCoord::col_slot(e);
+        const float x = bi[a] * expf(ci[a] - cj[b]) * (rki[a] * rkj[b] * kk[0][e]);
+        S.u.at.af[ac.row(e)][ac.col(e)] = ac.row(e) > ac.col(e) ? x : 0.f;
+      }
     }
     for (int e = wtid; e < 64 * sm90::kLdF; e += tl::kWarpgroup) (&S.u.at.tf[0][0])[e] = 0.f;
     const auto sync = [] { sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup); };
     sync();
     sm90::invert_chunk<true>(S.u.at, wtid >> 5, tid & 31, sync);
     TQ* Tg = reinterpret_cast<TQ*>(P.Tm) + r * kC * kC;  // in the inputs' type: wy's tiles
-    for (int e = wtid; e < kC * kC / 2; e += tl::kWarpgroup) {  // pairs (i, j), (i, j + 1)
-      const int i = e / (kC / 2), j = 2 * (e % (kC / 2));
-      const float2 t = *reinterpret_cast<const float2*>(&S.u.at.tf[i][j]);
-      *reinterpret_cast<uint32_t*>(Tg + i * kC + j) = cuda::pack2<TQ>(t.x, t.y);
-      tl::put2<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t.x * s_beta[j] * s_ec[j],
-                     t.y * s_beta[j + 1] * s_ec[j + 1]);
-      tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * s_beta[j], t.y * s_beta[j + 1]);
+    {  // pairs (i, j), (i, j + 1): a thread keeps its column pair j (the factors read once)
+      constexpr int kStep = tl::kWarpgroup / (kC / 2);  // rows between a thread's pairs
+      const int j = 2 * (wtid % (kC / 2));
+      const float b0 = s_beta[j], b1 = s_beta[j + 1], e0 = s_ec[j], e1 = s_ec[j + 1];
+#pragma unroll
+      for (int i = wtid / (kC / 2); i < kC; i += kStep) {
+        const float2 t = *reinterpret_cast<const float2*>(&S.u.at.tf[i][j]);
+        *reinterpret_cast<uint32_t*>(Tg + i * kC + j) = cuda::pack2<TQ>(t.x, t.y);
+        tl::put2<bf16>(reinterpret_cast<uint8_t*>(S.tw), tl::kTile64, i, j, t.x * b0 * e0, t.y * b1 * e1);
+        tl::put2<TQ>(reinterpret_cast<uint8_t*>(S.tu), tl::kTile64, i, j, t.x * b0, t.y * b1);
+      }
     }
     sm90::fence_proxy_async();
     sm90::named_barrier_sync(static_cast<uint32_t>(kBar), tl::kWarpgroup);  // the T tiles; A and T are free
@@ -264,10 +274,16 @@ __global__ void __launch_bounds__(tl::kThreads, 1) prep_sm90_kernel(BwdParams P)
     tl::begin_products();
     tl::product_ss<TQ, 64, D, 0>(pt, S.kr, S.qr, false);
     tl::finish(pt);
+    {  // (j, i) = (row, column): P_ij, every element computed, j <= i kept
+      float cj[2], rkj[2], ci[16], rqi[16];
+      ac.rows_of(s_c, cj), ac.rows_of(s_rk, rkj);
+      ac.cols_of(s_c, ci), ac.cols_of(s_rq, rqi);
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {  // (j, i) = (row, column): P_ij
-      const int j = ac.row(e), i = ac.col(e);
-      pt[0][e] = j <= i ? P.scale * expf(s_c[i] - s_c[j]) * (s_rq[i] * s_rk[j] * pt[0][e]) : 0.f;
+      for (int e = 0; e < 32; ++e) {
+        const int a = tl::AccCoord::row_slot(e), b = tl::AccCoord::col_slot(e);
+        const float x = P.scale * expf(ci[b] - cj[a]) * (rqi[b] * rkj[a] * pt[0][e]);
+        pt[0][e] = ac.row(e) <= ac.col(e) ? x : 0.f;
+      }
     }
     tl::product_rs<TQ, D, 1>(dv, pt, S.o);
     tl::finish(dv);

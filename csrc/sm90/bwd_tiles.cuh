@@ -33,6 +33,21 @@ struct AccCoord {
   __device__ __forceinline__ explicit AccCoord(int tid) : w((tid >> 5) & 3), g((tid & 31) >> 2), q(tid & 3) {}
   __device__ __forceinline__ int row(int e) const { return 16 * w + g + 8 * ((e >> 1) & 1); }
   __device__ __forceinline__ int col(int e) const { return 8 * (e >> 2) + 2 * q + (e & 1); }
+  // A thread's 32 elements lie on two rows and sixteen columns: row(e) is its row_slot(e)-th row,
+  // col(e) its col_slot(e)-th column.
+  static __device__ __forceinline__ constexpr int row_slot(int e) { return (e >> 1) & 1; }
+  static __device__ __forceinline__ constexpr int col_slot(int e) { return (e >> 2) * 2 + (e & 1); }
+  // s[row] of the two rows and s[col] of the sixteen columns, read once. An elementwise pass over
+  // the accumulator then has no shared-memory load in each element's chain, and with a select in
+  // place of a branch per element (`i > j ? x : 0` where x is computed for every element) the 32
+  // chains overlap: one warp a scheduler has nothing else to hide their latency behind.
+  __device__ __forceinline__ void rows_of(const float* s, float (&r)[2]) const {
+    r[0] = s[16 * w + g], r[1] = s[16 * w + g + 8];
+  }
+  __device__ __forceinline__ void cols_of(const float* s, float (&c)[16]) const {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) c[k] = s[8 * (k >> 1) + 2 * q + (k & 1)];
+  }
 };
 
 // ---- staging ----------------------------------------------------------------------------------

@@ -162,6 +162,11 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this warp's threads toward barrier `id` without waiting (the producer side of a
+// barrier whose consumers call named_barrier_sync with the same `threads`).
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
