@@ -30,25 +30,41 @@ constexpr uint32_t kTile64 = 64 * 128;  // bytes of a 64-row tile
 // The place of a thread in a warpgroup's accumulator.
 struct AccCoord {
   int w, g, q;
-  __device__ __forceinline__ explicit AccCoord(int tid) : w((tid >> 5) & 3), g((tid & 31) >> 2), q(tid & 3) {}
-  __device__ __forceinline__ int row(int e) const { return 16 * w + g + 8 * ((e >> 1) & 1); }
-  __device__ __forceinline__ int col(int e) const { return 8 * (e >> 2) + 2 * q + (e & 1); }
-  // A thread's 32 elements lie on two rows and sixteen columns: row(e) is its row_slot(e)-th row,
-  // col(e) its col_slot(e)-th column.
-  static __device__ __forceinline__ constexpr int row_slot(int e) { return (e >> 1) & 1; }
-  static __device__ __forceinline__ constexpr int col_slot(int e) { return (e >> 2) * 2 + (e & 1); }
+  __host__ __device__ __forceinline__ constexpr explicit AccCoord(int tid)
+      : w((tid >> 5) & 3), g((tid & 31) >> 2), q(tid & 3) {}
+  __host__ __device__ __forceinline__ constexpr int row(int e) const { return 16 * w + g + 8 * ((e >> 1) & 1); }
+  __host__ __device__ __forceinline__ constexpr int col(int e) const { return 8 * (e >> 2) + 2 * q + (e & 1); }
+  // A thread's 32 elements lie on two rows and sixteen columns: row(e) is row_at(row_slot(e)),
+  // col(e) is col_at(col_slot(e)) (checked for every thread and element below).
+  static __host__ __device__ __forceinline__ constexpr int row_slot(int e) { return (e >> 1) & 1; }
+  static __host__ __device__ __forceinline__ constexpr int col_slot(int e) { return (e >> 2) * 2 + (e & 1); }
+  __host__ __device__ __forceinline__ constexpr int row_at(int slot) const { return 16 * w + g + 8 * slot; }
+  __host__ __device__ __forceinline__ constexpr int col_at(int slot) const {
+    return 8 * (slot >> 1) + 2 * q + (slot & 1);
+  }
   // s[row] of the two rows and s[col] of the sixteen columns, read once. An elementwise pass over
   // the accumulator then has no shared-memory load in each element's chain, and with a select in
   // place of a branch per element (`i > j ? x : 0` where x is computed for every element) the 32
   // chains overlap: one warp a scheduler has nothing else to hide their latency behind.
   __device__ __forceinline__ void rows_of(const float* s, float (&r)[2]) const {
-    r[0] = s[16 * w + g], r[1] = s[16 * w + g + 8];
+    r[0] = s[row_at(0)], r[1] = s[row_at(1)];
   }
   __device__ __forceinline__ void cols_of(const float* s, float (&c)[16]) const {
 #pragma unroll
-    for (int k = 0; k < 16; ++k) c[k] = s[8 * (k >> 1) + 2 * q + (k & 1)];
+    for (int k = 0; k < 16; ++k) c[k] = s[col_at(k)];
   }
 };
+
+// rows_of and cols_of read, for every element e of every thread, the values of row(e) and col(e).
+constexpr bool acc_slots_consistent() {
+  for (int tid = 0; tid < kWarpgroup; ++tid) {
+    const AccCoord c(tid);
+    for (int e = 0; e < 32; ++e)
+      if (c.row_at(AccCoord::row_slot(e)) != c.row(e) || c.col_at(AccCoord::col_slot(e)) != c.col(e)) return false;
+  }
+  return true;
+}
+static_assert(acc_slots_consistent(), "AccCoord: row_slot / col_slot do not name row(e) / col(e)");
 
 // ---- staging ----------------------------------------------------------------------------------
 // Item it of a thread over 64 rows x D columns: row (tid + 256 it) / (D / 8), 8-column group
