@@ -236,7 +236,8 @@ if has ab; then
   # (.ab/base, carried) built beside this tree, then flashgdn_run on both, interleaved, AB_REPS
   # times (default 3): the backward (or AB_MODE=forward: the forward alone) at each of AB_LEVELS
   # (default "default fast") on each of AB_ROWS (Hq/Hv/T, default "16/64/32768 2/8/32768"), and
-  # both trees' errors at 16/64, T = 2048. Logs: ab-* in logs.tar.gz.
+  # both trees' errors at 16/64, T = 2048, and whether their outputs' bits are the same (digests).
+  # Logs: ab-* in logs.tar.gz.
   if [ ! -f .ab/base/CMakeLists.txt ]; then
     note "A/B" "no .ab/base (bash scripts/ab_base.sh REF here, then carry .ab)"
   else
@@ -270,6 +271,30 @@ if has ab; then
       for tree in base tree; do
         note "A/B errors, $tree, $pr (16/64, T 2048)" \
           "$(ab_run $tree --T 2048 --Hq 16 --Hv 64 --backward $bwd --check 1 --precision "$pr" | grep -oE '\| (o|final_state|d[a-z0-9]+) \| [0-9.e+-]+ \|' | tr '\n' ' ')"
+      done
+    done
+    # The outputs' bits (flashgdn_run --digest, 64-bit FNV-1a of every output's bytes) on each of
+    # AB_ROWS at each level: "same bits" or the outputs that differ. A base older than 4c2475d
+    # has no --digest: "no digest".
+    for row in ${AB_ROWS:-16/64/32768 2/8/32768}; do
+      IFS=/ read -r hq hv tt <<<"$row"
+      for pr in ${AB_LEVELS:-default fast}; do
+        d=()
+        for tree in base tree; do
+          b=$BUILD
+          [ $tree = base ] && b=.ab/base/build
+          d+=("$(LD_LIBRARY_PATH=$PWD/$b "$b/flashgdn_run" --device cuda --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd \
+            --check 0 --iters 1 --precision "$pr" --digest 1 2>/dev/null | grep -o 'digest [a-z]*:.*' | cut -d: -f2-)")
+        done
+        if [ -z "${d[0]}" ] || [ -z "${d[1]}" ]; then
+          verdict="no digest"
+        elif [ "${d[0]}" = "${d[1]}" ]; then
+          verdict="same bits"
+        else
+          verdict="differ:$(join <(tr ' ' '\n' <<<"${d[0]}" | sort) <(tr ' ' '\n' <<<"${d[1]}" | sort) -v 2 | cut -d= -f1 | tr '\n' ' ')"
+        fi
+        echo "$pr $row: ${d[0]} | ${d[1]}" >>"$LOG/ab-digests.log"
+        note "A/B bits, $pr, $hq/$hv 1x$tt" "$verdict"
       done
     done
     note "A/B" "base $base against this tree ($((SECONDS - t0)) s)"
