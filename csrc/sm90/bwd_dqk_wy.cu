@@ -63,7 +63,8 @@ struct DqkWySmem {
   } u;
 };
 
-// Barriers beside __syncthreads (id 0): M written (both warpgroups), E^T written (warpgroup 1).
+// Barriers beside __syncthreads (id 0): M written (warpgroup 0 arrives, warpgroup 1 waits), E^T
+// written (warpgroup 1).
 enum class WyBarrier : uint32_t { kM = 1, kE = 2 };
 
 // sum over the thread's items of x (.) y: its part of <dS, S0> (fixed order)
