@@ -8,6 +8,7 @@
 //
 // in_full   : 1 arrival with the TMA byte count (waited for by the norm warps)
 // in_ready  : 32 (gate warp) + 64 (norm warps) (waited for by the chunk-local role and the state)
+// fk_full   : 32 (k-norm warp) (waited for by the gate warp)
 // in_empty  : 128 (chunk-local) + 128 per state warpgroup
 // local_full: 128 (chunk-local), local_empty: 128 per state warpgroup
 #pragma once
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) gdn_fwd_kernel(const __grid_c
     for (int s = 0; s < Tr::kInStages; ++s) {
       sm.in_full[s].init(1);
       sm.in_ready[s].init(Tr::kInReadyArrivals);
+      sm.fk_full[s].init(Tr::kFkFullArrivals);
       sm.in_empty[s].init(Tr::kInEmptyArrivals);
     }
     for (int s = 0; s < Tr::kLocalStages; ++s) {

@@ -2,7 +2,7 @@
 //   warp 2 (one lane): TMA loads of the Q, K, V tiles, announced on in_full with their bytes;
 //   warp 3: the per-token gate inputs g and beta of the chunk (strided, 4 or 2 bytes a token:
 //           too narrow for TMA), the in-kernel gate, the floor and the in-chunk cumulative sum;
-//           then, meeting the k-norm warp on the kGateNorm barrier, the column exponents
+//           then, once the k-norm warp has written fk (fk_full), the column exponents
 //           u_t = c2_t - log2(fk_t); 32 arrivals on in_ready;
 //   warps 0-1: the rows' norms (fwd_row_norms.cuh), 64 arrivals on in_ready.
 // Warps 2 and 3 wait for in_empty of the stage before overwriting it.
@@ -91,12 +91,13 @@ __device__ __forceinline__ void fwd_load_gates(const FwdParams& p, FwdSmem<Tr>& 
     *reinterpret_cast<float2*>(&st.beta[2 * lane]) = make_float2(b[0], b[1]);
     // u_t = c2_t - log2(fk_t): one value a column for the chunk-local role's gating, which
     // loads its columns' values two blocks ahead instead of c2 and fk block by block (each load
-    // a round trip through the loaded shared-memory pipe: bench/NOTES.md). Both warps sync on
-    // the barrier once a chunk, so neither runs a phase ahead. (log2f: exact to an ulp;
-    // fk = 0 past the chunk gives u = +inf and a factor 2^-inf = 0.) Converged first: bar.sync
-    // is .aligned, and the mbarrier wait above may release the lanes at different polls.
-    __syncwarp();
-    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), Tr::kGateNormThreads);
+    // a round trip through the loaded shared-memory pipe: bench/NOTES.md). (log2f: exact to an
+    // ulp; fk = 0 past the chunk gives u = +inf and a factor 2^-inf = 0.) fk arrives by an
+    // mbarrier of the stage, not a named barrier the two warps meet: the k-norm warp need not
+    // wait (the stage is rewritten only after in_empty, which this warp's in_ready precedes),
+    // and compute-sanitizer's synccheck reported the named barrier reached divergent
+    // (docs/reliability.md).
+    sm.fk_full[pos.stage].wait(pos.phase);
     const float2 fk = *reinterpret_cast<const float2*>(&st.fk[2 * lane]);
     *reinterpret_cast<float2*>(&st.u[2 * lane]) =
         make_float2(cum * kLog2e - log2f(fk.x), (cum + g[1]) * kLog2e - log2f(fk.y));

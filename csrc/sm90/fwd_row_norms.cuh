@@ -123,13 +123,9 @@ __device__ __forceinline__ void fwd_row_norms(const FwdParams& p, FwdSmem<Tr>& s
       f[lane + 32] = lane + 32 < len ? 1.f : 0.f;
     }
     fence_proxy_async();  // the zeroed / rescaled rows, before the tensor cores read them
-    // fk is in: the gate warp forms the column exponents from it (fwd_load.cuh). bar.sync is
-    // .aligned: the warp meets it converged (the rows' branches above may leave it diverged;
-    // compute-sanitizer's synccheck flagged the barrier as reached by a divergent warp).
-    if (is_k) {
-      __syncwarp();
-      named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kGateNorm), Tr::kGateNormThreads);
-    }
+    // fk is in: the gate warp forms the column exponents from it (fwd_load.cuh); each lane's
+    // arrival releases its own writes of f.
+    if (is_k) sm.fk_full[pos.stage].arrive();
     sm.in_ready[pos.stage].arrive();
   }
 }

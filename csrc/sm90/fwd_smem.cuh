@@ -53,8 +53,10 @@ struct FwdSmem {
                                  // upper triangle holds the inverse's intermediate products
   alignas(16) float tf[64][68];  // T in fp32 while it is built
 
-  // in_full: the TMA tiles landed; in_ready: gates and norms written too (rows zeroed/rescaled).
+  // in_full: the TMA tiles landed; in_ready: gates and norms written too (rows zeroed/rescaled);
+  // fk_full: the key factors fk written (the k-norm warp to the gate warp).
   Mbarrier in_full[Tr::kInStages], in_ready[Tr::kInStages], in_empty[Tr::kInStages];
+  Mbarrier fk_full[Tr::kInStages];
   Mbarrier local_full[Tr::kLocalStages], local_empty[Tr::kLocalStages];
 
   // The walk's counters (unit index, chunks walked) of every warp, where the roles keep them out

@@ -44,13 +44,13 @@ struct FwdTraits {
   //   in_empty    the chunk-local warpgroup and every state warpgroup: the input stage is free
   //   local_full  the chunk-local warpgroup: T, P and the factors of a chunk are in
   //   local_empty every state warpgroup: the local stage is free
-  //   kGateNorm   the gate warp and the k-norm warp (FwdBarrier::kGateNorm)
+  //   fk_full     the k-norm warp: a chunk's key factors fk are in (the gate warp waits)
   static constexpr uint32_t kNormThreads = 64, kGateThreads = 32;
   static constexpr uint32_t kInReadyArrivals = kNormThreads + kGateThreads;
   static constexpr uint32_t kInEmptyArrivals = kWarpgroupThreads * (1 + kStateWGs);
   static constexpr uint32_t kLocalFullArrivals = kWarpgroupThreads;
   static constexpr uint32_t kLocalEmptyArrivals = kWarpgroupThreads * kStateWGs;
-  static constexpr uint32_t kGateNormThreads = kGateThreads + 32;
+  static constexpr uint32_t kFkFullArrivals = 32;
 
   static constexpr Precision kPrecision = kPrecision_;
   static constexpr bool kSplitState = kPrecision == Precision::kHigh;
@@ -88,8 +88,7 @@ struct FwdTraits {
 // Named barrier ids (0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
   kChunkLocal = 1,  // the chunk-local warpgroup's phases
-  kGateNorm = 2,    // the producer's gate warp and k-norm warp: c2 and fk of a chunk written
-  kStateBase = 3,   // + state warpgroup index: its output staging
+  kStateBase = 3,   // + state warpgroup index: its output staging (2: free since fk_full)
 };
 
 }  // namespace flashgdn::sm90
