@@ -116,20 +116,24 @@ if has sanitize-fuzz; then
   # compute-sanitizer on a fuzzed sample of calls (issue 38 item 5): the harness of the fuzz step,
   # SANITIZE_FUZZ_CASES small cases (<= 130 tokens) under each tool, only flashgdn's kernels
   # instrumented (kernel names containing "flashgdn"; torch's own kernels run unchecked).
-  # synccheck too: it aborted on the forward's kGateNorm barrier reached by a diverged warp
-  # (bench/results/h100-2026-11-27/reliability.md) until both warps reconverged before it
-  # (fwd_row_norms.cuh, fwd_load.cuh). Not in the default steps.
+  # synccheck too: it aborted on the forward's kGateNorm named barrier until fk reached the gate
+  # warp by an mbarrier instead (da2b253; docs/reliability.md). Not in the default steps.
+  # SANITIZE_FUZZ_TOOLS picks the tools (default all four); SANITIZE_FUZZ_TIMEOUT (seconds) bounds
+  # each tool's run, so that a slow one (initcheck) cannot take the rest of a device call.
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   [ -n "${PKG_INSTALLED:-}" ] ||
     $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
   PKG_INSTALLED=1
   SF_SEED=${FUZZ_SEED:-$RANDOM}
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in ${SANITIZE_FUZZ_TOOLS:-memcheck racecheck synccheck initcheck}; do
     t0=$SECONDS
     # initcheck is far slower: 40 cases ran past 450 s on an H100 (2026-11-28); it takes 8.
     cases=${SANITIZE_FUZZ_CASES:-40}
     [ $tool = initcheck ] && cases=${SANITIZE_FUZZ_INITCHECK_CASES:-8}
-    compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 --kernel-name kns=flashgdn \
+    # initcheck does not count TMA stores as writes: o's full chunks go by plain stores under it.
+    o_tma=1; [ $tool = initcheck ] && o_tma=0
+    FLASHGDN_O_TMA=$o_tma timeout "${SANITIZE_FUZZ_TIMEOUT:-0}" \
+      compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 --kernel-name kns=flashgdn \
       $PY tests/python/gdn_fuzz.py --device cuda --cases "$cases" --seed "$SF_SEED" \
       --max-tokens 130 >"$LOG/sanitize-fuzz-$tool.log" 2>&1
     rc=$?

@@ -519,6 +519,31 @@ def test_determinism_100_runs():
             assert torch.equal(a, b), f"run {i}: results differ bitwise"
 
 
+@pytest.mark.parametrize("cp", [dict(context_parallel=False), dict(context_parallel=True, cp_segment=128)],
+                         ids=["cp_off", "cp_segment_128"])
+def test_o_by_plain_stores_same_bits(cp):
+    """FLASHGDN_O_TMA=0 (the setting scripts/gpu_check.sh gives initcheck, which does not see TMA
+    stores) writes o's full chunks by 16-byte stores instead of TMA stores: the same bits."""
+    c = _fixed_case()
+    kw = c.lowlevel_kwargs()
+    runs = []
+    for value in (None, "0"):
+        old = os.environ.pop("FLASHGDN_O_TMA", None)
+        if value is not None:
+            os.environ["FLASHGDN_O_TMA"] = value
+        try:
+            o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw, **cp)
+            torch.cuda.synchronize()
+        finally:
+            os.environ.pop("FLASHGDN_O_TMA", None)
+            if old is not None:
+                os.environ["FLASHGDN_O_TMA"] = old
+        runs.append((o, ht))
+    assert torch.isfinite(runs[0][0].float()).all()
+    assert torch.equal(runs[0][0], runs[1][0]), "o differs between TMA and plain stores"
+    assert torch.equal(runs[0][1], runs[1][1]), "the final state differs between TMA and plain stores"
+
+
 def _seq_grads_slice(gr_list, t0, L, n):
     o, ht, dq, dk, dv, dg, dbeta, dh0, dA, ddt = gr_list
     s = slice(t0, t0 + L)
