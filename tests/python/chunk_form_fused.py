@@ -1,0 +1,111 @@
+"""The chunk form of the gated delta rule, forward and backward, in float64 numpy, written in the
+order and algebra the fused reverse kernel is planned to use (bench/fused-backward.md): the
+chunk's inverse without gates, Ar = (I + strictly_lower(diag(beta) K K^T))^-1, gated elementwise
+(T = Gam (.) Ar, Gam_ij = e^{c_i - c_j}); the corrected values as Vn = T diag(beta) R with
+R = V - diag(e^c) K S0 (so W = T diag(beta e^c) K is never formed); and the backward's 19 matrix
+products per chunk, each named P1..P19 where it is formed. test_chunk_form_fused.py checks every
+gradient against the float64 recurrence (flashgdn.reference). One sequence, one head; q and k as
+given (the l2 norm's backward is separate); S is [K][V]."""
+from __future__ import annotations
+
+import numpy as np
+
+C = 64  # tokens a chunk
+
+
+def _chunks(T: int):
+    return [(s, min(s + C, T)) for s in range(0, T, C)]
+
+
+def _gates(g: np.ndarray):
+    """Chunk-local cumulative gates c and Gam (lower, diagonal included)."""
+    c = np.cumsum(g)
+    gam = np.tril(np.exp(np.minimum(c[:, None] - c[None, :], 0.0)))
+    return c, gam
+
+
+def _inverse(k: np.ndarray, beta: np.ndarray):
+    kk = k @ k.T
+    a0 = np.tril(beta[:, None] * kk, -1)
+    return np.linalg.inv(np.eye(len(beta)) + a0), kk
+
+
+def forward(q, k, v, g, beta, scale, s0):
+    """o [T, V], the final state [K, V] and the chunk-start states (the backward's S0s)."""
+    S = s0.copy()
+    o = np.zeros((q.shape[0], v.shape[1]))
+    starts = []
+    for a, b in _chunks(q.shape[0]):
+        starts.append(S.copy())
+        c, gam = _gates(g[a:b])
+        ar, _ = _inverse(k[a:b], beta[a:b])
+        tb = (gam * ar) * beta[a:b][None, :]
+        r = v[a:b] - np.exp(c)[:, None] * (k[a:b] @ S)
+        vn = tb @ r
+        p = scale * np.tril(q[a:b] @ k[a:b].T) * gam
+        o[a:b] = scale * np.exp(c)[:, None] * (q[a:b] @ S) + p @ vn
+        S = np.exp(c[-1]) * S + (k[a:b] * np.exp(c[-1] - c)[:, None]).T @ vn
+    return o, S, starts
+
+
+def backward(q, k, v, g, beta, scale, s0, do, dht):
+    """dq, dk, dv, dg, dbeta, dh0: chunks last to first, dS carried in between."""
+    _, _, starts = forward(q, k, v, g, beta, scale, s0)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dg, dbeta = np.zeros_like(g), np.zeros_like(beta)
+    dS = dht.copy()
+    for (a, b), S0 in reversed(list(zip(_chunks(q.shape[0]), starts))):
+        Q, K, V, B, dO = q[a:b], k[a:b], v[a:b], beta[a:b], do[a:b]
+        c, gam = _gates(g[a:b])
+        ec, eL = np.exp(c), np.exp(c[-1])
+        ktil = K * np.exp(c[-1] - c)[:, None]  # K~ = e^{c_L - c} (.) K
+        qtil = scale * ec[:, None] * Q         # Q~ = scale e^c (.) Q
+        # Recomputed ahead of dS: P = Q K^T, Ar (saved by the forward in the kernel), R, Vn.
+        qk = Q @ K.T                                   # P1
+        p = scale * np.tril(qk) * gam
+        ar, kk = _inverse(K, B)                        # (the saved Ar); P17 is K K^T
+        t = gam * ar
+        tb = t * B[None, :]
+        ks = K @ S0                                    # P4
+        r = V - ec[:, None] * ks
+        vn = tb @ r                                    # P7
+        # dVn = K~ dS + P^T dO (the dk/dv role; in the kernel dS comes as its bf16 mirror).
+        dvn = ktil @ dS                                # P2
+        dvn += p.T @ dO                                # P3
+        dr = tb.T @ dvn                                # P5: dR = (T diag(beta))^T dVn
+        dtb = dvn @ r.T                                # P6: d(T diag(beta)) = dVn R^T
+        dpm = dO @ vn.T                                # P8: dP (masked below)
+        dktil = vn @ dS.T                              # P9: dK~ = Vn dS^T
+        dqt = dO @ S0.T                                # P10: dQ~ = dO S0^T
+        dvg = -ec[:, None] * dr                        # dR through R = V - e^c (.) K S0
+        dk_c = dvg @ S0.T                              # P11: dK += (-e^c dR) S0^T
+        gp = scale * np.tril(dpm) * gam                # dP through P = scale lower(Q K^T) (.) Gam
+        dq_c = gp @ K                                  # P12
+        dS_prev = eL * dS + K.T @ dvg                  # P13 (the carry)
+        dk_c += gp.T @ Q                               # P14
+        dt = dtb * B[None, :]
+        dar = np.tril(dt * gam, -1)                    # T = Gam (.) Ar; Ar's diagonal is 1
+        x = ar.T @ dar                                 # P15
+        da0 = -np.tril(x @ ar.T, -1)                   # P16: dA0 = -Ar^T dAr Ar^T, strictly lower
+        dS_prev += qtil.T @ dO                         # P18 (the carry)
+        dkk = da0 * B[:, None]                         # A0 = strictly_lower(diag(beta) K K^T)
+        dk_c += (dkk + dkk.T) @ K                      # P19
+        # Outputs other than the products' own.
+        dq[a:b] = dq_c + scale * ec[:, None] * dqt
+        dk[a:b] = dk_c + np.exp(c[-1] - c)[:, None] * dktil
+        dv[a:b] = dr
+        dbeta[a:b] = (dtb * t).sum(0) + (da0 * kk).sum(1)
+        # dc_i: every factor e^{c_i}, e^{-c_j}, e^{c_L} of the chunk, then dg by a reverse cumsum.
+        dc = np.zeros(b - a)
+        dc += (dqt * qtil).sum(1)                      # Q~
+        dc += (dr * (r - V)).sum(1)                    # R = V - e^c (.) K S0
+        pp = np.tril(dpm) * p
+        dc += pp.sum(1) - pp.sum(0)                    # Gam in P
+        tt = np.tril(dt * t, -1)
+        dc += tt.sum(1) - tt.sum(0)                    # Gam in T
+        kt = (dktil * ktil).sum(1)
+        dc -= kt                                       # K~ = e^{c_L - c} K
+        dc[-1] += kt.sum() + eL * (dS * S0).sum()      # K~'s e^{c_L} and S_C's e^{c_L} S0
+        dg[a:b] = np.cumsum(dc[::-1])[::-1]
+        dS = dS_prev
+    return dq, dk, dv, dg, dbeta, dS

@@ -1,0 +1,71 @@
+"""The fused reverse kernel's algebra (chunk_form_fused.py: the gate-free inverse gated
+elementwise, the corrected values without W, the backward's 19 products a chunk) against the
+float64 recurrence, before any kernel implements it (bench/fused-backward.md). float64 on both
+sides: every output within 1e-9 of the oracle's, relative to its largest entry. The check is of
+the algebra, not of rounding: one input moved by one part in a million already fails it
+(test_the_bound_is_tight), while float64's own rounding stays below 1e-9 even where dg is a
+difference of nearly cancelling gate terms (2.3e-10 on a one-token chunk with strong decay)."""
+import numpy as np
+import pytest
+import torch
+
+import chunk_form_fused as cf
+from flashgdn.reference import reference_backward, reference_forward
+
+GATES = {
+    "none": lambda rng, T: np.zeros(T),
+    "realistic": lambda rng, T: -rng.uniform(0.0, 0.5, T),
+    "strong": lambda rng, T: -rng.uniform(2.0, 16.0, T),
+    "stops": lambda rng, T: np.where(np.arange(T) < T // 2, -rng.uniform(0.5, 4.0, T), 0.0),
+}
+
+
+def _case(T, K, V, gates, beta_max, seed):
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+    q, k = unit(rng.standard_normal((T, K))), unit(rng.standard_normal((T, K)))
+    v = rng.standard_normal((T, V))
+    g, beta = GATES[gates](rng, T), rng.uniform(0.0, beta_max, T)
+    s0, dht = 0.5 * rng.standard_normal((K, V)), rng.standard_normal((K, V))
+    do = rng.standard_normal((T, V))
+    return q, k, v, g, beta, K ** -0.5, s0, do, dht
+
+
+def _oracle(q, k, v, g, beta, scale, s0, do, dht):
+    t = lambda x: torch.tensor(x)
+    seq = lambda x: t(x)[None, :, None]  # [B = 1, T, H = 1, ...]
+    args = dict(q=seq(q), k=seq(k), v=seq(v), g=seq(g), beta=seq(beta), scale=scale,
+                initial_state=t(s0)[None, None])
+    fwd = reference_forward(**args)
+    bwd = reference_backward(**args, do=seq(do), dht=t(dht)[None, None])
+    grads = [bwd[n][0, :, 0] for n in ("dq", "dk", "dv", "dg", "dbeta")] + [bwd["dh0"][0, 0]]
+    return fwd["o"][0, :, 0], fwd["final_state"][0, 0], grads
+
+
+@pytest.mark.parametrize("gates", sorted(GATES))
+@pytest.mark.parametrize("T,K,V,beta_max", [(150, 16, 12, 1.0), (64, 32, 32, 2.0), (1, 8, 8, 1.0),
+                                             (257, 128, 128, 2.0)])
+def test_chunk_form_matches_the_recurrence(gates, T, K, V, beta_max):
+    case = _case(T, K, V, gates, beta_max, seed=T + K)
+    o_ref, s_ref, grads_ref = _oracle(*case)
+    o, s, _ = cf.forward(*case[:7])
+    assert np.abs(o - o_ref).max() <= 1e-9 * np.abs(o_ref).max()
+    assert np.abs(s - s_ref).max() <= 1e-9 * np.abs(s_ref).max()
+    for name, mine, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), cf.backward(*case), grads_ref):
+        err = np.abs(mine - ref).max() / max(np.abs(ref).max(), 1e-300)
+        assert err <= 1e-9, f"{name}: {err:.3e}"
+
+
+def test_the_bound_is_tight():
+    """1e-9 is far below any algebra error: beta moved by one part in a million on a single
+    token already moves dh0 past it."""
+    case = _case(150, 16, 12, "realistic", 1.0, seed=7)
+    _, _, grads_ref = _oracle(*case)
+    q, k, v, g, beta, scale, s0, do, dht = case
+    beta2 = beta.copy()
+    beta2[3] *= 1.0 + 1e-6
+    dh0 = cf.backward(q, k, v, g, beta, scale, s0, do, dht)[5]
+    dh0_moved = cf.backward(q, k, v, g, beta2, scale, s0, do, dht)[5]
+    scale_ref = np.abs(grads_ref[5]).max()
+    assert np.abs(dh0 - grads_ref[5]).max() <= 1e-9 * scale_ref
+    assert np.abs(dh0_moved - grads_ref[5]).max() > 1e-9 * scale_ref
