@@ -48,8 +48,21 @@ def forward(q, k, v, g, beta, scale, s0):
     return o, S, starts
 
 
-def backward(q, k, v, g, beta, scale, s0, do, dht):
-    """dq, dk, dv, dg, dbeta, dh0: chunks last to first, dS carried in between."""
+# Where a kernel stores an intermediate in 16 bits between products (the peer's choices at every
+# one of them, bench/fused-backward.md "Precision"): the chunk-start state S0, the saved Ar, the
+# staged P, T diag(beta), K S0, R, Vn, dS's mirror (for P2, P9), dVn, dVg, dP, dAr, X, dAs, the
+# carry's dOg, and the outputs dq, dk, dv. `rnd(name, x)` rounds x where the policy says so.
+STAGED = ("S0", "Ar", "P", "Tb", "KS", "R", "Vn", "dS_mirror", "dVn", "dVg", "dP", "dAr", "X", "dAs",
+          "dOg", "out")
+
+
+def exact(name, x):
+    return x
+
+
+def backward(q, k, v, g, beta, scale, s0, do, dht, rnd=exact):
+    """dq, dk, dv, dg, dbeta, dh0: chunks last to first, dS carried in between (fp32 in a kernel:
+    never rounded here). rnd(name, x): the 16-bit staging policy (STAGED); exact by default."""
     _, _, starts = forward(q, k, v, g, beta, scale, s0)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dg, dbeta = np.zeros_like(g), np.zeros_like(beta)
@@ -60,40 +73,43 @@ def backward(q, k, v, g, beta, scale, s0, do, dht):
         ec, eL = np.exp(c), np.exp(c[-1])
         ktil = K * np.exp(c[-1] - c)[:, None]  # K~ = e^{c_L - c} (.) K
         qtil = scale * ec[:, None] * Q         # Q~ = scale e^c (.) Q
+        S0 = rnd("S0", S0)
         # Recomputed ahead of dS: P = Q K^T, Ar (saved by the forward in the kernel), R, Vn.
         qk = Q @ K.T                                   # P1
-        p = scale * np.tril(qk) * gam
+        p = rnd("P", scale * np.tril(qk) * gam)
         ar, kk = _inverse(K, B)                        # (the saved Ar); P17 is K K^T
+        ar = rnd("Ar", ar)
         t = gam * ar
-        tb = t * B[None, :]
-        ks = K @ S0                                    # P4
-        r = V - ec[:, None] * ks
-        vn = tb @ r                                    # P7
-        # dVn = K~ dS + P^T dO (the dk/dv role; in the kernel dS comes as its bf16 mirror).
-        dvn = ktil @ dS                                # P2
-        dvn += p.T @ dO                                # P3
+        tb = rnd("Tb", t * B[None, :])
+        ks = rnd("KS", K @ S0)                         # P4
+        r = rnd("R", V - ec[:, None] * ks)
+        vn = rnd("Vn", tb @ r)                         # P7
+        # dVn = K~ dS + P^T dO (the dk/dv role; in the kernel dS comes as its 16-bit mirror).
+        dsm = rnd("dS_mirror", dS)
+        dvn = ktil @ dsm                               # P2
+        dvn = rnd("dVn", dvn + p.T @ dO)               # P3
         dr = tb.T @ dvn                                # P5: dR = (T diag(beta))^T dVn
         dtb = dvn @ r.T                                # P6: d(T diag(beta)) = dVn R^T
         dpm = dO @ vn.T                                # P8: dP (masked below)
-        dktil = vn @ dS.T                              # P9: dK~ = Vn dS^T
+        dktil = vn @ dsm.T                             # P9: dK~ = Vn dS^T
         dqt = dO @ S0.T                                # P10: dQ~ = dO S0^T
-        dvg = -ec[:, None] * dr                        # dR through R = V - e^c (.) K S0
+        dvg = rnd("dVg", -ec[:, None] * dr)            # dR through R = V - e^c (.) K S0
         dk_c = dvg @ S0.T                              # P11: dK += (-e^c dR) S0^T
-        gp = scale * np.tril(dpm) * gam                # dP through P = scale lower(Q K^T) (.) Gam
+        gp = rnd("dP", scale * np.tril(dpm) * gam)     # dP through P = scale lower(Q K^T) (.) Gam
         dq_c = gp @ K                                  # P12
         dS_prev = eL * dS + K.T @ dvg                  # P13 (the carry)
         dk_c += gp.T @ Q                               # P14
         dt = dtb * B[None, :]
-        dar = np.tril(dt * gam, -1)                    # T = Gam (.) Ar; Ar's diagonal is 1
-        x = ar.T @ dar                                 # P15
+        dar = rnd("dAr", np.tril(dt * gam, -1))        # T = Gam (.) Ar; Ar's diagonal is 1
+        x = rnd("X", ar.T @ dar)                       # P15
         da0 = -np.tril(x @ ar.T, -1)                   # P16: dA0 = -Ar^T dAr Ar^T, strictly lower
-        dS_prev += qtil.T @ dO                         # P18 (the carry)
+        dS_prev += Q.T @ rnd("dOg", scale * ec[:, None] * dO)  # P18 (the carry): Q~^T dO
         dkk = da0 * B[:, None]                         # A0 = strictly_lower(diag(beta) K K^T)
-        dk_c += (dkk + dkk.T) @ K                      # P19
+        dk_c += rnd("dAs", dkk + dkk.T) @ K            # P19
         # Outputs other than the products' own.
-        dq[a:b] = dq_c + scale * ec[:, None] * dqt
-        dk[a:b] = dk_c + np.exp(c[-1] - c)[:, None] * dktil
-        dv[a:b] = dr
+        dq[a:b] = rnd("out", dq_c + scale * ec[:, None] * dqt)
+        dk[a:b] = rnd("out", dk_c + np.exp(c[-1] - c)[:, None] * dktil)
+        dv[a:b] = rnd("out", dr)
         dbeta[a:b] = (dtb * t).sum(0) + (da0 * kk).sum(1)
         # dc_i: every factor e^{c_i}, e^{-c_j}, e^{c_L} of the chunk, then dg by a reverse cumsum.
         dc = np.zeros(b - a)

@@ -1,0 +1,74 @@
+"""What the fused reverse kernel's 16-bit staging would cost in accuracy, before it is written:
+tests/python/chunk_form_fused.py's backward (its algebra checked against the recurrence) run in
+float64 with chosen intermediates rounded to bf16 (chunk_form_fused.STAGED), against the same
+backward without rounding, on flashgdn_run's inputs (q, k normal and normalised, v and dO normal,
+all bf16; g = -A softplus(x + 1) with A = 0 on head 0, 16 U(0, 1) on the others; beta U(0, 1); h0,
+dht 0.1 normal). Prints each gradient's relative L2 error over all heads, as flashgdn_run --check
+prints them, per policy.
+
+    python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
+import chunk_form_fused as cf  # noqa: E402
+
+
+def bf16(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).to(torch.float64).numpy()
+
+
+POLICIES = {
+    "outputs only (the floor)": {"out"},
+    "every staged value (the peer's)": set(cf.STAGED),
+    "the peer's, S0 in fp32": set(cf.STAGED) - {"S0"},
+    "the peer's, the carry's operands exact (dS mirror, dVg, dOg)": set(cf.STAGED) - {"dS_mirror", "dVg", "dOg"},
+    "the peer's, S0 fp32 and the carry's operands exact": set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg"},
+    "as the last, and dVn, T diag(beta) exact (a `default` candidate)":
+        set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg", "dVn", "Tb"},
+}
+
+
+def head_inputs(rng, T, K, A):
+    def unit(x):
+        return x / np.sqrt((x * x).sum(1, keepdims=True) + 1e-6)
+    q, k = bf16(unit(rng.standard_normal((T, K)))), bf16(unit(rng.standard_normal((T, K))))
+    v, do = bf16(rng.standard_normal((T, K))), bf16(rng.standard_normal((T, K)))
+    g = -A * np.log1p(np.exp(rng.standard_normal(T) + 1.0))
+    beta = rng.uniform(0.0, 1.0, T)
+    s0, dht = 0.1 * rng.standard_normal((K, K)), 0.1 * rng.standard_normal((K, K))
+    return q, k, v, g, beta, K ** -0.5, s0, do, dht
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--K", type=int, default=128)
+    a = ap.parse_args()
+    rng = np.random.default_rng(2026)
+    A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, a.heads - 1))
+    heads = [head_inputs(rng, a.T, a.K, A[h]) for h in range(a.heads)]
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    exact = [cf.backward(*x) for x in heads]
+    print(f"T {a.T}, {a.heads} heads, K = V = {a.K}; relative L2 error against the unrounded backward")
+    print("| policy | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for label, points in POLICIES.items():
+        rnd = (lambda pts: (lambda name, x: bf16(x) if name in pts else x))(points)
+        got = [cf.backward(*x, rnd=rnd) for x in heads]
+        errs = []
+        for i in range(len(names)):
+            num = sum(((g[i] - e[i]) ** 2).sum() for g, e in zip(got, exact))
+            den = sum((e[i] ** 2).sum() for e in exact)
+            errs.append(np.sqrt(num / den))
+        print(f"| {label} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+
+
+if __name__ == "__main__":
+    main()
