@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common/dtype.h"
@@ -33,7 +34,7 @@ using cuda::sm_count;
 // every TMA-stored o tile read by a later copy (docs/reliability.md); read on every call.
 bool o_tma_allowed() {
   const char* e = std::getenv("FLASHGDN_O_TMA");
-  return e == nullptr || std::string(e) != "0";
+  return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
 // Workspace layout: [checkpoint row offsets (varlen with checkpoints)] [packed q] [packed k]

@@ -521,23 +521,19 @@ def test_determinism_100_runs():
 
 @pytest.mark.parametrize("cp", [dict(context_parallel=False), dict(context_parallel=True, cp_segment=128)],
                          ids=["cp_off", "cp_segment_128"])
-def test_o_by_plain_stores_same_bits(cp):
+def test_o_by_plain_stores_same_bits(cp, monkeypatch):
     """FLASHGDN_O_TMA=0 (the setting scripts/gpu_check.sh gives initcheck, which does not see TMA
     stores) writes o's full chunks by 16-byte stores instead of TMA stores: the same bits."""
     c = _fixed_case()
     kw = c.lowlevel_kwargs()
     runs = []
     for value in (None, "0"):
-        old = os.environ.pop("FLASHGDN_O_TMA", None)
-        if value is not None:
-            os.environ["FLASHGDN_O_TMA"] = value
-        try:
-            o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw, **cp)
-            torch.cuda.synchronize()
-        finally:
-            os.environ.pop("FLASHGDN_O_TMA", None)
-            if old is not None:
-                os.environ["FLASHGDN_O_TMA"] = old
+        if value is None:
+            monkeypatch.delenv("FLASHGDN_O_TMA", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_O_TMA", value)
+        o, ht, _ = chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, **kw, **cp)
+        torch.cuda.synchronize()
         runs.append((o, ht))
     assert torch.isfinite(runs[0][0].float()).all()
     assert torch.equal(runs[0][0], runs[1][0]), "o differs between TMA and plain stores"
