@@ -11,10 +11,11 @@ random test; its regression case is an xfail (strict on the device where it was 
 """
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
-from gdn_fuzz import Spec, campaign, run_case
+from gdn_fuzz import Spec, campaign, failing_output, run_case
 from gdn_testutil import DEVICES, GPU_MARKS
 
 CASES = int(os.environ.get("FLASHGDN_FUZZ_CASES", "240"))
@@ -61,7 +62,6 @@ def test_regression(spec, device):
 def test_d5_shape_is_the_regression_cases_shape():
     """The D5 classifier's shape test (gdn_fuzz._d5_shape) holds for D5's regression cases and
     not for the same calls at `high`, without an initial state, or with a full last chunk."""
-    from dataclasses import replace
 
     from gdn_fuzz import _d5_shape
 
@@ -95,3 +95,38 @@ def test_check_takes_values_beyond_the_dtype_as_rounded():
     with pytest.raises(AssertionError, match="non-finite"):
         check("dk", torch.tensor([1.0, float("inf"), 3.0], dtype=torch.float16), np.array([1.0, 6.0e4, 3.0]), None,
               1e-3, sliced=False)
+
+
+def test_failing_output_names_the_first_failing_output():
+    assert failing_output("AssertionError: final_state: relative L2 error 2.827e-01 > 6.0e-03 spec={}") == "final_state"
+    assert failing_output("KnownDefect: known defect D1: dA_log: relative L2 error 2e-2 > 1.2e-2 (...)") == "dA_log"
+    assert failing_output("AssertionError: dq: 3 non-finite elements (of 64)") == "dq"
+    assert failing_output("ValueError: q: expected a CUDA tensor") is None
+    assert failing_output("AssertionError: pool rows not selected changed") is None
+
+
+# A case whose fp16 form fails on final_state (D2's subnormal operands) and whose bf16 twin fails
+# later, on dA_log, by D1 (seed 4242013061 of the H200 campaign of 2026-11-28): D2 explains it.
+# A twin failing on the same output, or on an earlier one, does not clear it.
+@pytest.mark.parametrize("twin, explained", [
+    (None, True),
+    ("KnownDefect: known defect D1: dA_log: relative L2 error 2.1e-02 > 1.2e-02", True),
+    ("AssertionError: dh0: relative L2 error 9e-03 > 6e-03", True),
+    ("AssertionError: final_state: relative L2 error 2.8e-01 > 6.0e-03", False),
+    ("AssertionError: o: relative L2 error 7e-03 > 6e-03", False),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", False),
+])
+def test_fp16_range_explains_a_failure_the_bf16_twin_clears(monkeypatch, twin, explained):
+    import gdn_fuzz
+    s = replace(gdn_fuzz.draw(4242013061, "cuda"), dtype="fp16")
+    seen = []
+
+    def fake_failure(spec, device):
+        seen.append(spec.dtype)
+        return twin
+
+    monkeypatch.setattr(gdn_fuzz, "failure", fake_failure)
+    msg = "AssertionError: final_state: relative L2 error 2.827e-01 > 6.0e-03 spec={}"
+    assert gdn_fuzz._fp16_range_explains(s, "cuda", msg) is explained
+    assert seen == ["bf16"]
+    assert not gdn_fuzz._fp16_range_explains(s, "cpu", msg)
