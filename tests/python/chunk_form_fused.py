@@ -114,7 +114,7 @@ def backward(q, k, v, g, beta, scale, s0, do, dht, rnd=exact):
         # dc_i: every factor e^{c_i}, e^{-c_j}, e^{c_L} of the chunk, then dg by a reverse cumsum.
         dc = np.zeros(b - a)
         dc += (dqt * qtil).sum(1)                      # Q~
-        dc += (dr * (r - V)).sum(1)                    # R = V - e^c (.) K S0
+        dc -= (dr * (ec[:, None] * ks)).sum(1)         # R = V - e^c (.) K S0
         pp = np.tril(dpm) * p
         dc += pp.sum(1) - pp.sum(0)                    # Gam in P
         tt = np.tril(dt * t, -1)

@@ -1,0 +1,385 @@
+"""The fused reverse kernel's stage plan as a checked table (bench/fused-backward.md, milestone 2).
+
+chunk_form_fused.py states the backward's algebra (19 products a chunk). This file states where
+the kernel computes each piece: in which of 16 stages, by which role (C the carry of dS, D the
+dk/dv role, R the recompute role), from which shared-memory tiles or role registers, into which.
+`run` executes the table on float64 arrays, chunk by chunk in reverse, and `hazards` checks it the
+way the kernel's barriers will have to hold it:
+
+- the roles of one stage run concurrently: a buffer one role writes in a stage is neither read
+  nor written by another role in that stage (a rendezvous ends every stage);
+- a role's registers are its own; every access an op makes is one it declares (checked while
+  `run` executes, so a declaration cannot hide a read);
+- the producer reloads q, k, v, S0 for the next chunk once stage 10 ends and ar, dO, the gate
+  vectors once stage 14 ends: nothing reads them after;
+- the store warp reads `out` from the stage after it is written until the one named in STORES.
+
+test_fused_schedule.py checks the table against chunk_form_fused.backward (the same roundings
+at the same points, any rounding policy) and that the checker catches moved ops. Shapes: tiles
+of 64 tokens, K x V states; the kernel's are K = V = 128 (bf16 tiles, 128-byte swizzle)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from chunk_form_fused import _chunks, _gates, _inverse, exact, forward
+
+STAGES = 16
+ROLES = ("C", "D", "R")
+# Shared-memory tiles: loaded (q, k, v, dO [64 x D], S0 [K x V], ar [64 x 64], gv the gate and
+# beta vectors), dS's 16-bit mirror dsm [K x V], scratch t11, t12, t13 [64 x 64] and t21, t22, t23
+# [64 x D], out (the output tile the store warp ships), and per-role vectors for dg's and dbeta's
+# token terms (dc_D, dc_R, dcL_C, dbeta_R).
+LOADED_EARLY = ("q", "k", "v", "S0")  # reloaded after stage 10
+LOADED_LATE = ("ar", "dO", "gv")      # reloaded after stage 14
+# The output tile: written in stage w, read by the store warp in stages w + 1 .. last.
+STORES = {0: 3, 4: 9, 10: 15}
+
+
+@dataclass(frozen=True)
+class Op:
+    stage: int
+    role: str
+    name: str
+    reads: Tuple[str, ...]
+    writes: Tuple[str, ...]
+    fn: Callable[["Env"], None]
+
+
+class Env:
+    """The buffers of one CTA; records every access of the op that runs."""
+
+    def __init__(self, rnd: Callable):
+        self.buf: Dict[str, np.ndarray] = {}
+        self.rnd = rnd
+        self.read: set = set()
+        self.written: set = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return self.buf[name]
+
+    def __setitem__(self, name, value):
+        self.written.add(name)
+        self.buf[name] = value
+
+
+def _g(e: Env):
+    return e["gv"]
+
+
+def _op(stage, role, name, reads, writes):
+    def wrap(fn):
+        return Op(stage, role, name, tuple(reads), tuple(writes), fn)
+    return wrap
+
+
+# ---- the table --------------------------------------------------------------------------------
+# Gate vectors in gv: c (chunk-local cumulative gates), gam (Gam, lower with diagonal), ec = e^c,
+# eL = e^{c_L}, beta, scale. Staged names (chunk_form_fused.STAGED) are rounded by e.rnd.
+
+@_op(0, "R", "P1: R.p = Q K^T", ["q", "k"], ["R.p"])
+def _p1(e):
+    e["R.p"] = e["q"] @ e["k"].T
+
+
+@_op(0, "D", "the chunk after's dK to out", ["D.acc"], ["out"])
+def _emit_dk(e):
+    e["out"] = e.rnd("out", e["D.acc"])
+
+
+@_op(1, "R", "P staged: t11 = scale lower(P) (.) Gam", ["R.p", "gv"], ["t11"])
+def _p_staged(e):
+    g = _g(e)
+    e["t11"] = e.rnd("P", g["scale"] * np.tril(e["R.p"]) * g["gam"])
+
+
+@_op(1, "D", "P2: D.acc = e^{c_L - c} (.) (K dsm)", ["k", "dsm", "gv"], ["D.acc"])
+def _p2(e):
+    g = _g(e)
+    e["D.acc"] = np.exp(g["c"][-1] - g["c"])[:, None] * (e["k"] @ e["dsm"])
+
+
+@_op(1, "C", "decay: C.dS = e^{c_L} dS", ["C.dS", "gv"], ["C.dS"])
+def _decay(e):
+    e["C.dS"] = _g(e)["eL"] * e["C.dS"]
+
+
+@_op(2, "R", "Tb staged: t12 = Gam (.) Ar diag(beta)", ["ar", "gv"], ["t12"])
+def _tb(e):
+    g = _g(e)
+    e["t12"] = e.rnd("Tb", (g["gam"] * e["ar"]) * g["beta"][None, :])
+
+
+@_op(2, "D", "P3: D.acc += P^T dO", ["D.acc", "t11", "dO"], ["D.acc"])
+def _p3(e):
+    e["D.acc"] = e["D.acc"] + e["t11"].T @ e["dO"]
+
+
+@_op(3, "R", "P4: R.wide = K S0", ["k", "S0"], ["R.wide"])
+def _p4(e):
+    e["R.wide"] = e["k"] @ e["S0"]
+
+
+@_op(3, "D", "dVn staged: t21 = D.acc", ["D.acc"], ["t21"])
+def _dvn(e):
+    e["t21"] = e.rnd("dVn", e["D.acc"])
+
+
+@_op(4, "R", "KS, R staged: t23 = K S0, t22 = V - e^c (.) K S0", ["R.wide", "v", "gv"], ["t23", "t22"])
+def _r(e):
+    ks = e.rnd("KS", e["R.wide"])
+    e["t23"] = ks
+    e["t22"] = e.rnd("R", e["v"] - _g(e)["ec"][:, None] * ks)
+
+
+@_op(4, "D", "P5: D.acc = Tb^T dVn (= dR = dv); dv to out", ["t12", "t21"], ["D.acc", "out"])
+def _p5(e):
+    dr = e["t12"].T @ e["t21"]
+    e["D.acc"] = dr
+    e["out"] = e.rnd("out", dr)
+
+
+@_op(4, "C", "<dS, S0> for dg: dcL_C", ["C.dS", "S0"], ["dcL_C"])
+def _dcl(e):
+    e["dcL_C"] = (e["C.dS"] * e["S0"]).sum()
+
+
+@_op(5, "R", "P6: R.x = dVn R^T; P7: Vn = Tb R staged in t21", ["t21", "t22", "t12"], ["R.x", "R.wide", "t21"])
+def _p6_p7(e):
+    e["R.x"] = e["t21"] @ e["t22"].T
+    vn = e["t12"] @ e["t22"]
+    e["R.wide"] = vn
+    e["t21"] = e.rnd("Vn", vn)
+
+
+@_op(5, "D", "dVg staged: t23 = -e^c (.) dR; dg's R term", ["D.acc", "t23", "gv"], ["t23", "dc_D"])
+def _dvg(e):
+    ec = _g(e)["ec"]
+    dr = e["D.acc"]
+    e["dc_D"] = (dr * (-ec[:, None] * e["t23"])).sum(1)  # dR (.) (R - V), R - V = -e^c K S0
+    e["t23"] = e.rnd("dVg", -ec[:, None] * dr)
+
+
+@_op(6, "R", "P8: R.p = dO Vn^T", ["dO", "t21"], ["R.p"])
+def _p8(e):
+    e["R.p"] = e["dO"] @ e["t21"].T
+
+
+@_op(6, "D", "K copied to t22 (k is reloaded after stage 10)", ["k"], ["t22"])
+def _kcopy(e):
+    e["t22"] = e["k"].copy()
+
+
+@_op(7, "R", "dP staged in t11; Gam terms of dg; dT; dAr in R.x; dbeta's T term",
+     ["R.p", "t11", "R.x", "ar", "gv"], ["t11", "R.x", "dc_R", "dbeta_R"])
+def _dp(e):
+    g = _g(e)
+    dpm, p, dtb = e["R.p"], e["t11"], e["R.x"]
+    pp = np.tril(dpm) * p
+    t = g["gam"] * e["ar"]
+    dt = dtb * g["beta"][None, :]
+    tt = np.tril(dt * t, -1)
+    e["dc_R"] = pp.sum(1) - pp.sum(0) + tt.sum(1) - tt.sum(0)
+    e["dbeta_R"] = (dtb * t).sum(0)
+    e["t11"] = e.rnd("dP", g["scale"] * np.tril(dpm) * g["gam"])
+    e["R.x"] = np.tril(dt * g["gam"], -1)
+
+
+@_op(7, "D", "P9: D.acc = Vn dsm^T (dK~)", ["t21", "dsm"], ["D.acc"])
+def _p9(e):
+    e["D.acc"] = e["t21"] @ e["dsm"].T
+
+
+@_op(8, "R", "P10: R.wide = dO S0^T (dQ~)", ["dO", "S0"], ["R.wide"])
+def _p10(e):
+    e["R.wide"] = e["dO"] @ e["S0"].T
+
+
+@_op(8, "D", "dK~ to dK: rows by e^{c_L - c}; dg's K~ term", ["D.acc", "t22", "gv", "dc_D"], ["D.acc", "dc_D"])
+def _dktil(e):
+    c = _g(e)["c"]
+    f = np.exp(c[-1] - c)
+    kt = (e["D.acc"] * (f[:, None] * e["t22"])).sum(1)
+    dc = e["dc_D"] - kt
+    dc[-1] += kt.sum()
+    e["dc_D"] = dc
+    e["D.acc"] = f[:, None] * e["D.acc"]
+
+
+@_op(9, "R", "dQ~ to dQ: rows by scale e^c; dg's Q~ term; Q copied to t21",
+     ["R.wide", "q", "gv", "dc_R"], ["R.wide", "dc_R", "t21"])
+def _dq_scale(e):
+    g = _g(e)
+    f = g["scale"] * g["ec"]
+    e["dc_R"] = e["dc_R"] + (e["R.wide"] * (f[:, None] * e["q"])).sum(1)
+    e["R.wide"] = f[:, None] * e["R.wide"]
+    e["t21"] = e["q"].copy()
+
+
+@_op(9, "D", "P11: D.acc += dVg S0^T", ["D.acc", "t23", "S0"], ["D.acc"])
+def _p11(e):
+    e["D.acc"] = e["D.acc"] + e["t23"] @ e["S0"].T
+
+
+@_op(10, "R", "P12: R.wide += dP K; dq to out", ["R.wide", "t11", "t22"], ["R.wide", "out"])
+def _p12(e):
+    dq = e["R.wide"] + e["t11"] @ e["t22"]
+    e["R.wide"] = dq
+    e["out"] = e.rnd("out", dq)
+
+
+@_op(11, "R", "dAr staged in t13", ["R.x"], ["t13"])
+def _dar(e):
+    e["t13"] = e.rnd("dAr", e["R.x"])
+
+
+@_op(11, "C", "P13: C.dS += K^T dVg", ["C.dS", "t22", "t23"], ["C.dS"])
+def _p13(e):
+    e["C.dS"] = e["C.dS"] + e["t22"].T @ e["t23"]
+
+
+@_op(12, "R", "P15: X = Ar^T dAr staged in t12", ["ar", "t13"], ["t12"])
+def _p15(e):
+    e["t12"] = e.rnd("X", e["ar"].T @ e["t13"])
+
+
+@_op(12, "D", "P14: D.acc += dP^T Q", ["D.acc", "t11", "t21"], ["D.acc"])
+def _p14(e):
+    e["D.acc"] = e["D.acc"] + e["t11"].T @ e["t21"]
+
+
+@_op(13, "R", "P16: R.x = -lower(X Ar^T); P17: R.p = K K^T", ["t12", "ar", "t22"], ["R.x", "R.p"])
+def _p16_p17(e):
+    e["R.x"] = -np.tril(e["t12"] @ e["ar"].T, -1)
+    e["R.p"] = e["t22"] @ e["t22"].T
+
+
+@_op(13, "C", "dOg staged in t23: scale e^c (.) dO", ["dO", "gv"], ["t23"])
+def _dog(e):
+    g = _g(e)
+    e["t23"] = e.rnd("dOg", g["scale"] * g["ec"][:, None] * e["dO"])
+
+
+@_op(14, "R", "dAs staged in t12; dbeta's A0 term", ["R.x", "R.p", "gv", "dbeta_R"], ["t12", "dbeta_R"])
+def _das(e):
+    da0, kk = e["R.x"], e["R.p"]
+    e["dbeta_R"] = e["dbeta_R"] + (da0 * kk).sum(1)
+    dkk = da0 * _g(e)["beta"][:, None]
+    e["t12"] = e.rnd("dAs", dkk + dkk.T)
+
+
+@_op(14, "C", "P18: C.dS += Q^T dOg", ["C.dS", "t21", "t23"], ["C.dS"])
+def _p18(e):
+    e["C.dS"] = e["C.dS"] + e["t21"].T @ e["t23"]
+
+
+@_op(15, "D", "P19: D.acc += dAs K", ["D.acc", "t12", "t22"], ["D.acc"])
+def _p19(e):
+    e["D.acc"] = e["D.acc"] + e["t12"] @ e["t22"]
+
+
+@_op(15, "C", "dS mirror: dsm = C.dS", ["C.dS"], ["dsm"])
+def _mirror(e):
+    e["dsm"] = e.rnd("dS_mirror", e["C.dS"])
+
+
+@_op(15, "R", "dg: reverse cumulative sum of the token terms", ["dc_R", "dc_D", "dcL_C"], ["R.dg"])
+def _dg(e):
+    dc = e["dc_R"] + e["dc_D"]
+    dc[-1] += e["dcL_C"]
+    e["R.dg"] = np.cumsum(dc[::-1])[::-1]
+
+
+SCHEDULE: List[Op] = [v for v in list(globals().values()) if isinstance(v, Op)]
+
+
+# ---- the checks -------------------------------------------------------------------------------
+
+def _owner(buf: str) -> Optional[str]:
+    return buf.split(".")[0] if "." in buf else None
+
+
+def hazards(schedule: List[Op]) -> List[str]:
+    """What the table breaks of the rules in the module's docstring (empty: none)."""
+    out = []
+    for op in schedule:
+        if not (0 <= op.stage < STAGES and op.role in ROLES):
+            out.append(f"{op.name}: stage {op.stage}, role {op.role}")
+        for b in op.reads + op.writes:
+            if _owner(b) not in (None, op.role):
+                out.append(f"{op.name}: role {op.role} touches {b}, another role's registers")
+        for b in op.reads:
+            if (b in LOADED_EARLY and op.stage > 10) or (b in LOADED_LATE and op.stage > 14):
+                out.append(f"{op.name}: reads {b} in stage {op.stage}, after its reload for the next chunk")
+        for w, last in STORES.items():
+            if "out" in op.writes and w < op.stage <= last:
+                out.append(f"{op.name}: writes out in stage {op.stage} while the store warp reads it")
+        if "out" in op.writes and op.stage not in STORES:
+            out.append(f"{op.name}: writes out in stage {op.stage}, where no store follows")
+    for s in range(STAGES):
+        ops = [op for op in schedule if op.stage == s]
+        for a in ops:
+            for b in ops:
+                if a.role != b.role:
+                    clash = set(a.writes) & (set(b.reads) | set(b.writes))
+                    if clash:
+                        out.append(f"stage {s}: {a.role} writes {sorted(clash)} that {b.role} uses ({a.name} / {b.name})")
+    return out
+
+
+def run(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List[Op]] = None):
+    """dq, dk, dv, dg, dbeta, dh0 by executing the table (stages in order, roles of a stage one
+    after another: hazards() makes that order irrelevant). Raises if an op touches a buffer it
+    does not declare."""
+    schedule = SCHEDULE if schedule is None else schedule
+    order = sorted(schedule, key=lambda op: (op.stage, ROLES.index(op.role)))
+    _, _, starts = forward(q, k, v, g, beta, scale, s0)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dg, dbeta = np.zeros_like(g), np.zeros_like(beta)
+    e = Env(rnd)
+    e.buf["C.dS"] = dht.copy()
+    e.buf["dsm"] = rnd("dS_mirror", dht.copy())
+    pending_dk = None  # (rows) of the chunk whose dK D still holds
+    for (a, b), S0 in reversed(list(zip(_chunks(q.shape[0]), starts))):
+        c, gam = _gates(g[a:b])
+        ar, _ = _inverse(k[a:b], beta[a:b])
+        e.buf.update(q=q[a:b], k=k[a:b], v=v[a:b], dO=do[a:b], S0=rnd("S0", S0), ar=rnd("Ar", ar),
+                     gv=dict(c=c, gam=gam, ec=np.exp(c), eL=np.exp(c[-1]), beta=beta[a:b], scale=scale))
+        for op in order:
+            if op.name == _emit_dk.name and pending_dk is None:
+                continue  # the walk's first chunk: no dK yet
+            e.read, e.written = set(), set()
+            op.fn(e)
+            undeclared = (e.read - set(op.reads)) | (e.written - set(op.writes))
+            if undeclared:
+                raise AssertionError(f"{op.name}: touches {sorted(undeclared)} without declaring it")
+            if "out" in op.writes:  # what the store warp ships after this stage
+                if op.name == _emit_dk.name:
+                    dk[pending_dk[0]:pending_dk[1]] = e.buf["out"]
+                elif op.name == _p5.name:
+                    dv[a:b] = e.buf["out"]
+                else:
+                    dq[a:b] = e.buf["out"]
+        dg[a:b] = e.buf["R.dg"]
+        dbeta[a:b] = e.buf["dbeta_R"]
+        pending_dk = (a, b)
+    if pending_dk is not None:  # the epilogue: the last chunk's dK
+        dk[pending_dk[0]:pending_dk[1]] = rnd("out", e.buf["D.acc"])
+    return dq, dk, dv, dg, dbeta, e.buf["C.dS"]
+
+
+def markdown(schedule: Optional[List[Op]] = None) -> str:
+    """The table as bench/fused-backward.md shows it: a row a stage, a column a role."""
+    schedule = SCHEDULE if schedule is None else schedule
+    rows = ["| stage | C (carry, 160 registers) | D (dk/dv, 136) | R (recompute, 184) |", "|---|---|---|---|"]
+    for s in range(STAGES):
+        cells = ["; ".join(op.name for op in schedule if op.stage == s and op.role == r) for r in ROLES]
+        rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())

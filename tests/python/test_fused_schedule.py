@@ -1,0 +1,99 @@
+"""The fused reverse kernel's stage plan (fused_schedule.py): free of the hazards its barriers
+must rule out, and computing exactly chunk_form_fused's backward (itself checked against the
+float64 recurrence in test_chunk_form_fused.py), with every 16-bit staging at the same point."""
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import fused_schedule as fs
+from chunk_form_fused import STAGED, backward
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _bf16(name, x):
+    """Round to bf16 (nearest even) where chunk_form_fused.STAGED names a staging."""
+    assert name in STAGED, name
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    u = x32.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def _inputs(T, K, V, gates, seed):
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    q, k = unit(rng.standard_normal((T, K))), unit(rng.standard_normal((T, K)))
+    v, do = rng.standard_normal((T, V)), rng.standard_normal((T, V))
+    g = {"zero": np.zeros(T), "realistic": -rng.uniform(0, 0.3, T), "strong": -rng.uniform(2, 8, T)}[gates]
+    beta = rng.uniform(0, 2, T)
+    beta[::7] = 0.0
+    s0, dht = 0.1 * rng.standard_normal((K, V)), 0.1 * rng.standard_normal((K, V))
+    return q, k, v, g, beta, 0.5, s0, do, dht
+
+
+def _worst(a, b):
+    return max(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-300) for x, y in zip(a, b))
+
+
+def test_the_table_has_no_hazards():
+    assert fs.hazards(fs.SCHEDULE) == []
+
+
+def test_every_product_once():
+    found = sorted(int(n) for op in fs.SCHEDULE for n in re.findall(r"P(\d+):", op.name))
+    assert found == list(range(1, 20))
+
+
+@pytest.mark.parametrize("rnd", [fs.exact, _bf16], ids=["exact", "bf16-staged"])
+@pytest.mark.parametrize("T, K, V, gates", [(1, 128, 128, "realistic"), (64, 128, 128, "zero"),
+                                            (65, 128, 128, "strong"), (150, 128, 128, "realistic"),
+                                            (97, 64, 32, "realistic")])
+def test_matches_the_chunk_form(T, K, V, gates, rnd):
+    args = _inputs(T, K, V, gates, seed=T + K)
+    got = fs.run(*args, rnd=rnd)
+    want = backward(*args, rnd=rnd)
+    for name, x, y in zip(NAMES, got, want):
+        assert x.shape == y.shape, name
+        assert np.linalg.norm(x - y) <= 1e-12 * np.linalg.norm(y) + 1e-300, name
+
+
+def _moved(name_start, stage):
+    return [replace(op, stage=stage) if op.name.startswith(name_start) else op for op in fs.SCHEDULE]
+
+
+@pytest.mark.parametrize("name_start, stage, expect", [
+    ("K copied to t22", 5, "D writes ['t22'] that R uses"),  # R reads R from t22 in stage 5
+    ("dS mirror", 7, "C writes ['dsm'] that D uses"),     # D reads the mirror in P9
+    ("P11:", 11, "reads S0 in stage 11"),                 # S0 is the next chunk's by then
+    ("P15:", 15, "reads ar in stage 15"),
+    ("P5:", 5, "writes out in stage 5"),                  # the dK store still reads out
+])
+def test_the_checker_catches_a_moved_op(name_start, stage, expect):
+    problems = fs.hazards(_moved(name_start, stage))
+    assert any(expect in p for p in problems), problems
+
+
+def test_a_hazard_free_but_misordered_table_computes_something_else():
+    """P18 one stage early reads dVg where dOg will be: no barrier rule breaks (C alone touches
+    t23 in stage 12), but the gradients differ; the comparison with the chunk form catches it."""
+    moved = _moved("P18:", 12)
+    assert fs.hazards(moved) == []
+    args = _inputs(130, 128, 128, "realistic", seed=3)
+    assert _worst(fs.run(*args, schedule=moved), backward(*args)) > 1e-3
+
+
+def test_an_undeclared_access_is_refused():
+    sched = [replace(op, reads=tuple(r for r in op.reads if r != "dsm")) if op.name.startswith("P9:") else op
+             for op in fs.SCHEDULE]
+    with pytest.raises(AssertionError, match="without declaring it"):
+        fs.run(*_inputs(70, 64, 64, "zero", seed=1), schedule=sched)
+
+
+def test_the_plan_shows_this_table():
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "bench", "fused-backward.md")) as f:
+        assert fs.markdown() in f.read(), "bench/fused-backward.md's stage table differs from fused_schedule.py"
