@@ -13,14 +13,11 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
 import chunk_form_fused as cf  # noqa: E402
 
-
-def bf16(x):
-    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).to(torch.float64).numpy()
+bf16 = cf.round_bf16
 
 
 POLICIES = {
@@ -60,8 +57,7 @@ def main():
     print("| policy | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for label, points in POLICIES.items():
-        rnd = (lambda pts: (lambda name, x: bf16(x) if name in pts else x))(points)
-        got = [cf.backward(*x, rnd=rnd) for x in heads]
+        got = [cf.backward(*x, rnd=cf.staged(points)) for x in heads]
         errs = []
         for i in range(len(names)):
             num = sum(((g[i] - e[i]) ** 2).sum() for g, e in zip(got, exact))

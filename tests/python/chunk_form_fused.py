@@ -60,6 +60,19 @@ def exact(name, x):
     return x
 
 
+def round_bf16(x):
+    """x rounded to bf16 (nearest, ties to even), returned as float64: a kernel's 16-bit staging."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def staged(points=STAGED):
+    """The rounding policy that rounds to bf16 at the named staging points, exact elsewhere."""
+    points = set(points)
+    return lambda name, x: round_bf16(x) if name in points else x
+
+
 def backward(q, k, v, g, beta, scale, s0, do, dht, rnd=exact):
     """dq, dk, dv, dg, dbeta, dh0: chunks last to first, dS carried in between (fp32 in a kernel:
     never rounded here). rnd(name, x): the 16-bit staging policy (STAGED); exact by default."""
