@@ -10,8 +10,8 @@ way the kernel's barriers will have to hold it:
   nor written by another role in that stage (a rendezvous ends every stage);
 - a role's registers are its own; every access an op makes is one it declares (checked while
   `run` executes, so a declaration cannot hide a read);
-- the producer reloads q, k, v, S0 for the next chunk once stage 10 ends and ar, dO, the gate
-  vectors once stage 14 ends: nothing reads them after;
+- the producer reloads q, k, v, S0 for the next chunk once stage 10 ends, ar and dO once stage 13
+  ends and the gate vectors once stage 14 ends (RELOADED_AFTER): nothing reads them after;
 - the store warp reads `out` from the stage after it is written until the one named in STORES.
 
 test_fused_schedule.py checks the table against chunk_form_fused.backward (the same roundings
@@ -32,8 +32,7 @@ ROLES = ("C", "D", "R")
 # beta vectors), dS's 16-bit mirror dsm [K x V], scratch t11, t12, t13 [64 x 64] and t21, t22, t23
 # [64 x D], out (the output tile the store warp ships), and per-role vectors for dg's and dbeta's
 # token terms (dc_D, dc_R, dcL_C, dbeta_R).
-LOADED_EARLY = ("q", "k", "v", "S0")  # reloaded after stage 10
-LOADED_LATE = ("ar", "dO", "gv")      # reloaded after stage 14
+RELOADED_AFTER = {"q": 10, "k": 10, "v": 10, "S0": 10, "ar": 13, "dO": 13, "gv": 14}
 # The output tile: written in stage w, read by the store warp in stages w + 1 .. last.
 STORES = {0: 3, 4: 9, 10: 15}
 
@@ -107,12 +106,6 @@ def _decay(e):
     e["C.dS"] = _g(e)["eL"] * e["C.dS"]
 
 
-@_op(2, "R", "Tb staged: t12 = Gam (.) Ar diag(beta)", ["ar", "gv"], ["t12"])
-def _tb(e):
-    g = _g(e)
-    e["t12"] = e.rnd("Tb", (g["gam"] * e["ar"]) * g["beta"][None, :])
-
-
 @_op(2, "D", "P3: D.acc += P^T dO", ["D.acc", "t11", "dO"], ["D.acc"])
 def _p3(e):
     e["D.acc"] = e["D.acc"] + e["t11"].T @ e["dO"]
@@ -133,6 +126,12 @@ def _r(e):
     ks = e.rnd("KS", e["R.wide"])
     e["t23"] = ks
     e["t22"] = e.rnd("R", e["v"] - _g(e)["ec"][:, None] * ks)
+
+
+@_op(3, "D", "Tb staged: t12 = Gam (.) Ar diag(beta)", ["ar", "gv"], ["t12"])
+def _tb(e):
+    g = _g(e)
+    e["t12"] = e.rnd("Tb", (g["gam"] * e["ar"]) * g["beta"][None, :])
 
 
 @_op(4, "D", "P5: D.acc = Tb^T dVn (= dR = dv); dv to out", ["t12", "t21"], ["D.acc", "out"])
@@ -173,8 +172,8 @@ def _kcopy(e):
     e["t22"] = e["k"].copy()
 
 
-@_op(7, "R", "dP staged in t11; Gam terms of dg; dT; dAr in R.x; dbeta's T term",
-     ["R.p", "t11", "R.x", "ar", "gv"], ["t11", "R.x", "dc_R", "dbeta_R"])
+@_op(7, "R", "dP staged in t11; Gam terms of dg; dT; dAr in R.x; dbeta's T term (column sums via t13)",
+     ["R.p", "t11", "R.x", "ar", "gv"], ["t11", "R.x", "dc_R", "dbeta_R", "t13"])
 def _dp(e):
     g = _g(e)
     dpm, p, dtb = e["R.p"], e["t11"], e["R.x"]
@@ -186,6 +185,7 @@ def _dp(e):
     e["dbeta_R"] = (dtb * t).sum(0)
     e["t11"] = e.rnd("dP", g["scale"] * np.tril(dpm) * g["gam"])
     e["R.x"] = np.tril(dt * g["gam"], -1)
+    e["t13"] = None  # the kernel's fp32 scratch for the per-warp column sums
 
 
 @_op(7, "D", "P9: D.acc = Vn dsm^T (dK~)", ["t21", "dsm"], ["D.acc"])
@@ -257,18 +257,21 @@ def _p16_p17(e):
     e["R.p"] = e["t22"] @ e["t22"].T
 
 
-@_op(13, "C", "dOg staged in t23: scale e^c (.) dO", ["dO", "gv"], ["t23"])
+@_op(13, "D", "dOg staged in t23: scale e^c (.) dO", ["dO", "gv"], ["t23"])
 def _dog(e):
     g = _g(e)
     e["t23"] = e.rnd("dOg", g["scale"] * g["ec"][:, None] * e["dO"])
 
 
-@_op(14, "R", "dAs staged in t12; dbeta's A0 term", ["R.x", "R.p", "gv", "dbeta_R"], ["t12", "dbeta_R"])
+@_op(14, "R", "dAs staged in t12 (dkk's transpose through t13, t11 as hi + lo); dbeta's A0 term",
+     ["R.x", "R.p", "gv", "dbeta_R", "t13", "t11"], ["t12", "t13", "t11", "dbeta_R"])
 def _das(e):
     da0, kk = e["R.x"], e["R.p"]
     e["dbeta_R"] = e["dbeta_R"] + (da0 * kk).sum(1)
     dkk = da0 * _g(e)["beta"][:, None]
-    e["t12"] = e.rnd("dAs", dkk + dkk.T)
+    e["t13"] = dkk  # (the kernel: bf16 hi part here, the lo part in t11; their sum is dkk to 2^-16)
+    e["t11"] = np.zeros_like(dkk)
+    e["t12"] = e.rnd("dAs", dkk + e["t13"].T + e["t11"].T)
 
 
 @_op(14, "C", "P18: C.dS += Q^T dOg", ["C.dS", "t21", "t23"], ["C.dS"])
@@ -312,7 +315,7 @@ def hazards(schedule: List[Op]) -> List[str]:
             if _owner(b) not in (None, op.role):
                 out.append(f"{op.name}: role {op.role} touches {b}, another role's registers")
         for b in op.reads:
-            if (b in LOADED_EARLY and op.stage > 10) or (b in LOADED_LATE and op.stage > 14):
+            if b in RELOADED_AFTER and op.stage > RELOADED_AFTER[b]:
                 out.append(f"{op.name}: reads {b} in stage {op.stage}, after its reload for the next chunk")
         for w, last in STORES.items():
             if "out" in op.writes and w < op.stage <= last:
@@ -374,7 +377,7 @@ def run(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List
 def markdown(schedule: Optional[List[Op]] = None) -> str:
     """The table as bench/fused-backward.md shows it: a row a stage, a column a role."""
     schedule = SCHEDULE if schedule is None else schedule
-    rows = ["| stage | C (carry, 160 registers) | D (dk/dv, 136) | R (recompute, 184) |", "|---|---|---|---|"]
+    rows = ["| stage | C (carry, 176 registers) | D (dk/dv, 112) | R (recompute, 192) |", "|---|---|---|---|"]
     for s in range(STAGES):
         cells = ["; ".join(op.name for op in schedule if op.stage == s and op.role == r) for r in ROLES]
         rows.append(f"| {s} | " + " | ".join(cells) + " |")
