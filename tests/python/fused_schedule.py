@@ -106,6 +106,12 @@ def _decay(e):
     e["C.dS"] = _g(e)["eL"] * e["C.dS"]
 
 
+@_op(2, "R", "Tb staged: t12 = Gam (.) Ar diag(beta)", ["ar", "gv"], ["t12"])
+def _tb(e):
+    g = _g(e)
+    e["t12"] = e.rnd("Tb", (g["gam"] * e["ar"]) * g["beta"][None, :])
+
+
 @_op(2, "D", "P3: D.acc += P^T dO", ["D.acc", "t11", "dO"], ["D.acc"])
 def _p3(e):
     e["D.acc"] = e["D.acc"] + e["t11"].T @ e["dO"]
@@ -126,12 +132,6 @@ def _r(e):
     ks = e.rnd("KS", e["R.wide"])
     e["t23"] = ks
     e["t22"] = e.rnd("R", e["v"] - _g(e)["ec"][:, None] * ks)
-
-
-@_op(3, "D", "Tb staged: t12 = Gam (.) Ar diag(beta)", ["ar", "gv"], ["t12"])
-def _tb(e):
-    g = _g(e)
-    e["t12"] = e.rnd("Tb", (g["gam"] * e["ar"]) * g["beta"][None, :])
 
 
 @_op(4, "D", "P5: D.acc = Tb^T dVn (= dR = dv); dv to out", ["t12", "t21"], ["D.acc", "out"])
