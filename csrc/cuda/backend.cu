@@ -30,7 +30,7 @@ void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* st
 }
 
 size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& a) {
-  return backward_workspace_bytes(p, a.in);
+  return backward_workspace_bytes(p, a);
 }
 
 // The grids of the forward (sm90: one CTA per sequence x value head; TMA coordinates of tokens

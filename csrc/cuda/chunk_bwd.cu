@@ -19,6 +19,7 @@
 #include "cuda/bwd_dh_plan.h"
 #include "cuda/chunk_bwd_images.cuh"
 #include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/bwd_fused.h"
 
 namespace flashgdn::cuda {
 
@@ -35,6 +36,7 @@ struct Layout {
   // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
   size_t shared, fwd, img;
   size_t total;
+  bool fused;  // the fused backward (sm90/bwd_fused.h): its buffers from `shared` on
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -97,9 +99,24 @@ BlockRegions block_regions(const Problem& p, size_t Sb) {
 
 // The workspace: the block's per-chunk regions, h, the gate sums and the dh pass's buffers, then
 // the shared region.
-Layout make_layout(const Problem& p, const fgdn_inputs& in) {
+Layout make_layout(const Problem& p, const fgdn_bwd_args& a) {
+  const fgdn_inputs& in = a.in;
   const size_t S = static_cast<size_t>(num_chunk_slots(p));
   const size_t D = static_cast<size_t>(p.K), Hv = static_cast<size_t>(p.Hv);
+  if (bwd::fused_backward_applies(p)) {  // h, the gate sums, the states pass's rows, then its buffers
+    Layout L{};
+    L.fused = true;
+    size_t o = 0;
+    L.off[kH] = o;
+    o += align256((S + 1) * Hv * D * D * 2);  // bf16 (states_in_bf16); one spare row
+    L.gpart = o;
+    o += align256(S * Hv * 2 * sizeof(float));
+    L.first_row = o;
+    o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+    L.shared = L.fwd = o;  // the states pass's scratch, then the fused buffers
+    L.total = o + std::max(align256(bwd::states_workspace_bytes(p, in)), bwd::fused_layout(p, a).bytes);
+    return L;
+  }
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
   const BlockRegions one = block_regions(p, 1);
   Layout L{};
@@ -144,10 +161,44 @@ bwd::Tensor4 t4(const fgdn_tensor& t) {
   return r;
 }
 
+// The fused backward (sm90/bwd_fused.h): states, then its steps over every chunk slot at once, the
+// gate step from its dg and the head sums.
+void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, const Layout& L, char* w,
+                  cudaStream_t stream) {
+  const fgdn_inputs& in = a.in;
+  const bwd::FusedLayout F = bwd::fused_layout(p, a);
+  char* f = w + L.shared;
+  P.h = reinterpret_cast<float*>(w + L.off[kH]);
+  P.gpart = reinterpret_cast<float*>(w + L.gpart);
+  if (P.num_chunks > 0)
+    bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
+  P.slot0 = 0;
+  P.slots = P.num_chunks;
+  P.qn = reinterpret_cast<float*>(f + F.off[F.kQn]);
+  P.kn = reinterpret_cast<float*>(f + F.off[F.kKn]);
+  P.rq = reinterpret_cast<float*>(f + F.off[F.kRq]);
+  P.rk = reinterpret_cast<float*>(f + F.off[F.kRk]);
+  bwd::FusedBuffers B{};
+  B.q16 = reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kQ16]);
+  B.k16 = reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kK16]);
+  B.v16 = F.vo_direct ? nullptr : reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kV16]);
+  B.do16 = F.vo_direct ? nullptr : reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kDo16]);
+  B.gates = reinterpret_cast<float*>(f + F.off[F.kGates]);
+  B.ar = reinterpret_cast<uint8_t*>(f + F.off[F.kAr]);
+  B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
+  B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);
+  B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
+  bwd::launch_bwd_fused(P, a, B, stream);
+  P.dc = B.dg;
+  P.dc_summed = 1;
+  bwd::launch_bwd_gate(P, stream);
+  if (P.gate_in_kernel) bwd::launch_bwd_head_sums(P, stream);
+}
+
 }  // namespace
 
-size_t backward_workspace_bytes(const flashgdn::Problem& p, const fgdn_inputs& in) {
-  return make_layout(p, in).total;
+size_t backward_workspace_bytes(const flashgdn::Problem& p, const fgdn_bwd_args& a) {
+  return make_layout(p, a).total;
 }
 
 void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* workspace,
@@ -203,8 +254,12 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.ddt_bias = static_cast<float*>(a.ddt_bias.data);
   P.dh0 = t4(a.dh0);
 
-  const Layout L = make_layout(p, in);
+  const Layout L = make_layout(p, a);
   char* w = static_cast<char*>(workspace);
+  if (L.fused) {
+    launch_fused(p, a, P, L, w, stream);
+    return;
+  }
   float** dst[14] = {&P.qn, &P.kn, &P.rq, &P.rk, &P.cg, &P.h, &P.dh,
                      &P.Tm, &P.W,  &P.vn, &P.dvn, &P.dqh, &P.dkh, &P.dc};
   for (int i = 0; i < 14; ++i) *dst[i] = reinterpret_cast<float*>(w + L.off[i]);

@@ -19,10 +19,10 @@
 namespace flashgdn::cuda {
 
 // Device scratch launch_backward needs, in bytes (a multiple of 256).
-size_t backward_workspace_bytes(const flashgdn::Problem& p, const fgdn_inputs& in);
+size_t backward_workspace_bytes(const flashgdn::Problem& p, const fgdn_bwd_args& a);
 
 // Writes every output tensor of a (dq, dk, dv, dg, dbeta, dA_log / ddt_bias when
-// gate_in_kernel, dh0 when given). workspace: at least backward_workspace_bytes(p, a.in) bytes of
+// gate_in_kernel, dh0 when given). workspace: at least backward_workspace_bytes(p, a) bytes of
 // device memory, 256-byte aligned. Asynchronous on stream; errors of launches are reported
 // through the usual CUDA error state (the caller checks cudaGetLastError()).
 void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* workspace,

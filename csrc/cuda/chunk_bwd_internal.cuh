@@ -99,7 +99,9 @@ struct BwdParams {
                    // dvn after the pass, so that no CTA's warm-up reads a dvl another overwrote
   float* dqh;   // [slots * Hv, 64, D]      dq per value head (w.r.t. normalised q)
   float* dkh;   // [slots * Hv, 64, D]
-  float* dc;    // [slots * Hv, 64]         gradient w.r.t. c
+  float* dc;    // [slots * Hv, 64]         gradient w.r.t. c (dc_summed: w.r.t. g, its reverse
+                //                           in-chunk sum; the fused kernel writes that)
+  int32_t dc_summed;
   float* gpart; // [num_chunks * Hv, 2]     per-chunk sums for dA_log and ddt_bias
   uint8_t* img; // [slots * Hv] x Images<D>::kBytes: the reverse pass's operands (chunk_bwd_images.cuh)
 };
@@ -308,6 +310,7 @@ void launch_bwd_dqk(const BwdParams& P, cudaStream_t s);        // dq, dk (parti
 void launch_bwd_wy(const BwdParams& P, cudaStream_t s);         // dv, dbeta, dk, dc (WY part; `high`)
 void launch_bwd_dqk_wy_sm90(const BwdParams& P, cudaStream_t s);  // both below `high` (sm90/bwd_dqk_wy.cu)
 void launch_bwd_reduce(const BwdParams& P, cudaStream_t s);     // dq/dk GVA + l2norm, dg (a block)
+void launch_bwd_gate(const BwdParams& P, cudaStream_t s);       // dg alone (its part of reduce)
 void launch_bwd_head_sums(const BwdParams& P, cudaStream_t s);  // dA_log, ddt_bias (every block's sums)
 
 }  // namespace flashgdn::cuda::bwd

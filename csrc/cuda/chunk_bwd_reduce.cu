@@ -2,7 +2,8 @@
 //
 //  qk_reduce: dq, dk of a q/k head = sum over the Hv / Hq value heads that read it, in
 //             ascending head order, then (l2norm) x^ = x r  ->  dx = r (dx^ - x^ (x^ . dx^)).
-//  gate:      dg_t = sum_{i >= t} dc_i within the chunk (reverse cumulative sum, fixed order),
+//  gate:      dg_t = sum_{i >= t} dc_i within the chunk (reverse cumulative sum, fixed order;
+//             dc_summed: dc holds that sum already, as the fused kernel writes it),
 //             0 where the gate was floored (g < -128); gate_in_kernel: da = dg (-exp(A_log))
 //             sigmoid(a + dt_bias) (1 past 20), and the per-chunk sums of dg g (for dA_log) and
 //             of da (for ddt_bias) (common/numerics.h).
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kC) gate_kernel(BwdParams P) {
   const int i = threadIdx.x;
   s_dg[i] = P.dc[r * kC + i];
   __syncthreads();
-  if (i == 0) {  // reverse cumulative sum, fixed order
+  if (i == 0 && !P.dc_summed) {  // reverse cumulative sum, fixed order
     float acc = 0.f;
     for (int t = ci.len - 1; t >= 0; --t) {
       acc += s_dg[t];
@@ -139,12 +140,16 @@ void launch_typed(DimType<D, TQ>, const BwdParams& P, cudaStream_t s) {
 
 }  // namespace
 
-void launch_bwd_reduce(const BwdParams& P, cudaStream_t s) {
+void launch_bwd_gate(const BwdParams& P, cudaStream_t s) {
   if (P.slots > 0) {
-    dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
     gate_kernel<<<dim3(P.slots, P.Hv), kC, 0, s>>>(P);
     FGDN_CHECK_LAUNCH("bwd gate");
   }
+}
+
+void launch_bwd_reduce(const BwdParams& P, cudaStream_t s) {
+  if (P.slots > 0) dispatch_dim_type(P, [&](auto c) { launch_typed(c, P, s); });
+  launch_bwd_gate(P, s);
 }
 
 void launch_bwd_head_sums(const BwdParams& P, cudaStream_t s) {

@@ -3,9 +3,10 @@ order and algebra the fused reverse kernel is planned to use (bench/fused-backwa
 chunk's inverse without gates, Ar = (I + strictly_lower(diag(beta) K K^T))^-1, gated elementwise
 (T = Gam (.) Ar, Gam_ij = e^{c_i - c_j}); the corrected values as Vn = T diag(beta) R with
 R = V - diag(e^c) K S0 (so W = T diag(beta e^c) K is never formed); and the backward's 19 matrix
-products per chunk, each named P1..P19 where it is formed. test_chunk_form_fused.py checks every
-gradient against the float64 recurrence (flashgdn.reference). One sequence, one head; q and k as
-given (the l2 norm's backward is separate); S is [K][V]."""
+products per chunk, each named P1..P19 where it is formed; and the reverse context parallelism's
+form (a chunk's carry as an affine map, segments composed and scanned). test_chunk_form_fused.py
+checks every gradient against the float64 recurrence (flashgdn.reference). One sequence, one head;
+q and k as given (the l2 norm's backward is separate); S is [K][V]."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,68 +74,126 @@ def staged(points=STAGED):
     return lambda name, x: round_bf16(x) if name in points else x
 
 
+def chunk_backward(Q, K, V, gc, B, dO, S0, dS, scale, rnd=exact):
+    """One chunk of the reverse walk: its dq, dk, dv, dg, dbeta and the carry dS at its start,
+    from its inputs, its start state S0 and dS at its end."""
+    c, gam = _gates(gc)
+    ec, eL = np.exp(c), np.exp(c[-1])
+    ktil = K * np.exp(c[-1] - c)[:, None]  # K~ = e^{c_L - c} (.) K
+    qtil = scale * ec[:, None] * Q         # Q~ = scale e^c (.) Q
+    S0 = rnd("S0", S0)
+    # Recomputed ahead of dS: P = Q K^T, Ar (saved by the forward in the kernel), R, Vn.
+    qk = Q @ K.T                                   # P1
+    p = rnd("P", scale * np.tril(qk) * gam)
+    ar, kk = _inverse(K, B)                        # (the saved Ar); P17 is K K^T
+    ar = rnd("Ar", ar)
+    t = gam * ar
+    tb = rnd("Tb", t * B[None, :])
+    ks = rnd("KS", K @ S0)                         # P4
+    r = rnd("R", V - ec[:, None] * ks)
+    vn = rnd("Vn", tb @ r)                         # P7
+    # dVn = K~ dS + P^T dO (the dk/dv role; in the kernel dS comes as its 16-bit mirror).
+    dsm = rnd("dS_mirror", dS)
+    dvn = ktil @ dsm                               # P2
+    dvn = rnd("dVn", dvn + p.T @ dO)               # P3
+    dr = tb.T @ dvn                                # P5: dR = (T diag(beta))^T dVn
+    dtb = dvn @ r.T                                # P6: d(T diag(beta)) = dVn R^T
+    dpm = dO @ vn.T                                # P8: dP (masked below)
+    dktil = vn @ dsm.T                             # P9: dK~ = Vn dS^T
+    dqt = dO @ S0.T                                # P10: dQ~ = dO S0^T
+    dvg = rnd("dVg", -ec[:, None] * dr)            # dR through R = V - e^c (.) K S0
+    dk_c = dvg @ S0.T                              # P11: dK += (-e^c dR) S0^T
+    gp = rnd("dP", scale * np.tril(dpm) * gam)     # dP through P = scale lower(Q K^T) (.) Gam
+    dq_c = gp @ K                                  # P12
+    dS_prev = eL * dS + K.T @ dvg                  # P13 (the carry)
+    dk_c += gp.T @ Q                               # P14
+    dt = dtb * B[None, :]
+    dar = rnd("dAr", np.tril(dt * gam, -1))        # T = Gam (.) Ar; Ar's diagonal is 1
+    x = rnd("X", ar.T @ dar)                       # P15
+    da0 = -np.tril(x @ ar.T, -1)                   # P16: dA0 = -Ar^T dAr Ar^T, strictly lower
+    dS_prev += Q.T @ rnd("dOg", scale * ec[:, None] * dO)  # P18 (the carry): Q~^T dO
+    dkk = da0 * B[:, None]                         # A0 = strictly_lower(diag(beta) K K^T)
+    dk_c += rnd("dAs", dkk + dkk.T) @ K            # P19
+    # Outputs other than the products' own.
+    dq = rnd("out", dq_c + scale * ec[:, None] * dqt)
+    dk = rnd("out", dk_c + np.exp(c[-1] - c)[:, None] * dktil)
+    dv = rnd("out", dr)
+    dbeta = (dtb * t).sum(0) + (da0 * kk).sum(1)
+    # dc_i: every factor e^{c_i}, e^{-c_j}, e^{c_L} of the chunk, then dg by a reverse cumsum.
+    dc = np.zeros(len(gc))
+    dc += (dqt * qtil).sum(1)                      # Q~
+    dc -= (dr * (ec[:, None] * ks)).sum(1)         # R = V - e^c (.) K S0
+    pp = np.tril(dpm) * p
+    dc += pp.sum(1) - pp.sum(0)                    # Gam in P
+    tt = np.tril(dt * t, -1)
+    dc += tt.sum(1) - tt.sum(0)                    # Gam in T
+    kt = (dktil * ktil).sum(1)
+    dc -= kt                                       # K~ = e^{c_L - c} K
+    dc[-1] += kt.sum() + eL * (dS * S0).sum()      # K~'s e^{c_L} and S_C's e^{c_L} S0
+    dg = np.cumsum(dc[::-1])[::-1]
+    return dq, dk, dv, dg, dbeta, dS_prev
+
+
 def backward(q, k, v, g, beta, scale, s0, do, dht, rnd=exact):
     """dq, dk, dv, dg, dbeta, dh0: chunks last to first, dS carried in between (fp32 in a kernel:
     never rounded here). rnd(name, x): the 16-bit staging policy (STAGED); exact by default."""
     _, _, starts = forward(q, k, v, g, beta, scale, s0)
+    return _walk(q, k, v, g, beta, scale, starts, do, {len(starts): dht}, rnd)
+
+
+def _walk(q, k, v, g, beta, scale, starts, do, seeds, rnd):
+    """The reverse walk over every chunk; seeds[n]: dS at the end of chunk n - 1 where the walk
+    takes it from outside (n = the chunk count: dht), else the carry of chunk n."""
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dg, dbeta = np.zeros_like(g), np.zeros_like(beta)
-    dS = dht.copy()
-    for (a, b), S0 in reversed(list(zip(_chunks(q.shape[0]), starts))):
-        Q, K, V, B, dO = q[a:b], k[a:b], v[a:b], beta[a:b], do[a:b]
-        c, gam = _gates(g[a:b])
-        ec, eL = np.exp(c), np.exp(c[-1])
-        ktil = K * np.exp(c[-1] - c)[:, None]  # K~ = e^{c_L - c} (.) K
-        qtil = scale * ec[:, None] * Q         # Q~ = scale e^c (.) Q
-        S0 = rnd("S0", S0)
-        # Recomputed ahead of dS: P = Q K^T, Ar (saved by the forward in the kernel), R, Vn.
-        qk = Q @ K.T                                   # P1
-        p = rnd("P", scale * np.tril(qk) * gam)
-        ar, kk = _inverse(K, B)                        # (the saved Ar); P17 is K K^T
-        ar = rnd("Ar", ar)
-        t = gam * ar
-        tb = rnd("Tb", t * B[None, :])
-        ks = rnd("KS", K @ S0)                         # P4
-        r = rnd("R", V - ec[:, None] * ks)
-        vn = rnd("Vn", tb @ r)                         # P7
-        # dVn = K~ dS + P^T dO (the dk/dv role; in the kernel dS comes as its 16-bit mirror).
-        dsm = rnd("dS_mirror", dS)
-        dvn = ktil @ dsm                               # P2
-        dvn = rnd("dVn", dvn + p.T @ dO)               # P3
-        dr = tb.T @ dvn                                # P5: dR = (T diag(beta))^T dVn
-        dtb = dvn @ r.T                                # P6: d(T diag(beta)) = dVn R^T
-        dpm = dO @ vn.T                                # P8: dP (masked below)
-        dktil = vn @ dsm.T                             # P9: dK~ = Vn dS^T
-        dqt = dO @ S0.T                                # P10: dQ~ = dO S0^T
-        dvg = rnd("dVg", -ec[:, None] * dr)            # dR through R = V - e^c (.) K S0
-        dk_c = dvg @ S0.T                              # P11: dK += (-e^c dR) S0^T
-        gp = rnd("dP", scale * np.tril(dpm) * gam)     # dP through P = scale lower(Q K^T) (.) Gam
-        dq_c = gp @ K                                  # P12
-        dS_prev = eL * dS + K.T @ dvg                  # P13 (the carry)
-        dk_c += gp.T @ Q                               # P14
-        dt = dtb * B[None, :]
-        dar = rnd("dAr", np.tril(dt * gam, -1))        # T = Gam (.) Ar; Ar's diagonal is 1
-        x = rnd("X", ar.T @ dar)                       # P15
-        da0 = -np.tril(x @ ar.T, -1)                   # P16: dA0 = -Ar^T dAr Ar^T, strictly lower
-        dS_prev += Q.T @ rnd("dOg", scale * ec[:, None] * dO)  # P18 (the carry): Q~^T dO
-        dkk = da0 * B[:, None]                         # A0 = strictly_lower(diag(beta) K K^T)
-        dk_c += rnd("dAs", dkk + dkk.T) @ K            # P19
-        # Outputs other than the products' own.
-        dq[a:b] = rnd("out", dq_c + scale * ec[:, None] * dqt)
-        dk[a:b] = rnd("out", dk_c + np.exp(c[-1] - c)[:, None] * dktil)
-        dv[a:b] = rnd("out", dr)
-        dbeta[a:b] = (dtb * t).sum(0) + (da0 * kk).sum(1)
-        # dc_i: every factor e^{c_i}, e^{-c_j}, e^{c_L} of the chunk, then dg by a reverse cumsum.
-        dc = np.zeros(b - a)
-        dc += (dqt * qtil).sum(1)                      # Q~
-        dc -= (dr * (ec[:, None] * ks)).sum(1)         # R = V - e^c (.) K S0
-        pp = np.tril(dpm) * p
-        dc += pp.sum(1) - pp.sum(0)                    # Gam in P
-        tt = np.tril(dt * t, -1)
-        dc += tt.sum(1) - tt.sum(0)                    # Gam in T
-        kt = (dktil * ktil).sum(1)
-        dc -= kt                                       # K~ = e^{c_L - c} K
-        dc[-1] += kt.sum() + eL * (dS * S0).sum()      # K~'s e^{c_L} and S_C's e^{c_L} S0
-        dg[a:b] = np.cumsum(dc[::-1])[::-1]
-        dS = dS_prev
+    spans = _chunks(q.shape[0])
+    dS = None
+    for n in reversed(range(len(spans))):
+        a, b = spans[n]
+        dS = seeds.get(n + 1, dS)
+        dq[a:b], dk[a:b], dv[a:b], dg[a:b], dbeta[a:b], dS = chunk_backward(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], do[a:b], starts[n], dS, scale, rnd)
     return dq, dk, dv, dg, dbeta, dS
+
+
+# ---- the reverse context parallelism (bench/fused-backward.md, "Reverse CP") -------------------
+def carry_map(q, k, g, beta, scale, do):
+    """A chunk's carry as an affine map of dS at its end: dS_start = M dS + b with
+        M = e^{c_L} I - K^T diag(e^c) Tb^T K~                    (K x K)
+        b = Q~^T dO - K^T diag(e^c) Tb^T P^T dO                 (K x V)
+    (chunk_backward's P13 and P18 with dVn = K~ dS + P^T dO expanded). Neither depends on dS or on
+    the chunk's start state: every chunk's map is known before the walk."""
+    c, gam = _gates(g)
+    ec, eL = np.exp(c), np.exp(c[-1])
+    ktil = k * np.exp(c[-1] - c)[:, None]
+    ar, _ = _inverse(k, beta)
+    tb = (gam * ar) * beta[None, :]
+    p = scale * np.tril(q @ k.T) * gam
+    lead = -(k * ec[:, None]).T @ tb.T            # -K^T diag(e^c) Tb^T   (K x C)
+    M = eL * np.eye(k.shape[1]) + lead @ ktil
+    b = (scale * ec[:, None] * q).T @ do + lead @ (p.T @ do)
+    return M, b
+
+
+def backward_segments(q, k, v, g, beta, scale, s0, do, dht, seg_chunks, rnd=exact):
+    """The same outputs as backward(), by segments of seg_chunks chunks as the reverse CP runs
+    them: (1) each segment's map dS_start = A_s dS_end + B_s, composed from its chunks' maps (a
+    kernel gets B_s by walking the segment from dS = 0, and A_s by walking it from dS = I with
+    dO = 0); (2) a scan over the segments, last first, from dht; (3) every segment walked from the
+    dS the scan gave its end, independently."""
+    _, _, starts = forward(q, k, v, g, beta, scale, s0)
+    spans = _chunks(q.shape[0])
+    bounds = list(range(0, len(spans), seg_chunks)) + [len(spans)]
+    maps = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        A, B = np.eye(k.shape[1]), np.zeros_like(dht)
+        for n in range(lo, hi):  # dS_start(lo) = M_lo (M_lo+1 (... dS_end + b) + ...) + b_lo
+            a, e = spans[n]
+            M, b = carry_map(q[a:e], k[a:e], g[a:e], beta[a:e], scale, do[a:e])
+            A, B = A @ M, A @ b + B
+        maps.append((A, B))
+    seeds, dS = {}, dht
+    for (lo, hi), (A, B) in reversed(list(zip(zip(bounds[:-1], bounds[1:]), maps))):
+        seeds[hi] = dS
+        dS = A @ dS + B
+    return _walk(q, k, v, g, beta, scale, starts, do, seeds, rnd)

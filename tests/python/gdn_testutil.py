@@ -307,6 +307,19 @@ def nan_like(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
                       dtype=dtype or x.dtype, device=x.device)
 
 
+def poisoned_grads(c: Case) -> dict:
+    """The backward's gradient buffers for c, filled with NaN (an element the library does not
+    write shows)."""
+    grads = dict(dq=nan_like(c.q), dk=nan_like(c.k), dv=nan_like(c.v), dg=nan_like(c.g), dbeta=nan_like(c.beta))
+    if c.initial_state is not None:
+        grads["dh0"] = nan_like(c.initial_state)
+    if c.use_gate_in_kernel:
+        grads["dA_log"] = nan_like(c.A_log)
+        if c.dt_bias is not None:
+            grads["ddt_bias"] = nan_like(c.dt_bias)
+    return grads
+
+
 def lowlevel_fwd_bwd(c: Case, checkpoint_every: int = 0, output_final_state: bool = True,
                      seed: Optional[int] = None):
     """Forward and backward through the low-level API, into outputs and gradient buffers
@@ -326,13 +339,7 @@ def lowlevel_fwd_bwd(c: Case, checkpoint_every: int = 0, output_final_state: boo
         gen.manual_seed(seed)
     do = torch.randn(o.shape, generator=gen).to(device=o.device, dtype=o.dtype)
     dht = torch.randn(st_shape, generator=gen).to(o.device) if output_final_state else None
-    grads = dict(dq=nan_like(c.q), dk=nan_like(c.k), dv=nan_like(c.v), dg=nan_like(c.g), dbeta=nan_like(c.beta))
-    if c.initial_state is not None:
-        grads["dh0"] = nan_like(c.initial_state)
-    if c.use_gate_in_kernel:
-        grads["dA_log"] = nan_like(c.A_log)
-        if c.dt_bias is not None:
-            grads["ddt_bias"] = nan_like(c.dt_bias)
+    grads = poisoned_grads(c)
     gr = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, **grads)
     for name, buf in grads.items():
         assert getattr(gr, name) is buf, name

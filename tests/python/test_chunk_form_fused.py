@@ -69,3 +69,27 @@ def test_the_bound_is_tight():
     scale_ref = np.abs(grads_ref[5]).max()
     assert np.abs(dh0 - grads_ref[5]).max() <= 1e-9 * scale_ref
     assert np.abs(dh0_moved - grads_ref[5]).max() > 1e-9 * scale_ref
+
+
+# ---- the reverse context parallelism's algebra (bench/fused-backward.md, "Reverse CP") ---------
+@pytest.mark.parametrize("gates", sorted(GATES))
+def test_carry_is_the_chunk_map(gates):
+    """A chunk's carry is affine in dS with the map carry_map gives: M dS + b for any dS."""
+    q, k, v, g, beta, scale, s0, do, dht = _case(64, 16, 12, gates, 1.0, seed=3)
+    M, b = cf.carry_map(q, k, g, beta, scale, do)
+    for seed in (0, 1):
+        dS = np.random.default_rng(seed).standard_normal(dht.shape)
+        carry = cf.chunk_backward(q, k, v, g, beta, do, s0, dS, scale)[5]
+        assert np.abs(carry - (M @ dS + b)).max() <= 1e-9 * np.abs(carry).max()
+
+
+@pytest.mark.parametrize("gates", sorted(GATES))
+@pytest.mark.parametrize("seg_chunks", [1, 2, 3])
+def test_segments_give_the_walk(gates, seg_chunks):
+    """Segments composed from their chunks' maps, a scan over them, then each walked alone: every
+    output of the one walk, within float64's rounding (1e-9 of each output's largest entry)."""
+    case = _case(450, 16, 12, gates, 1.0, seed=11)
+    whole = cf.backward(*case)
+    parts = cf.backward_segments(*case, seg_chunks=seg_chunks)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), whole, parts):
+        assert np.abs(a - b).max() <= 1e-9 * max(np.abs(a).max(), 1e-300), name

@@ -1,0 +1,260 @@
+// Backward at `fast` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128, bf16:
+//   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu, as the staged chain)
+//   2. qk_prep  qn, kn (fp32, slot layout), rq, rk             (chunk_bwd_prep.cu)
+//   3. prep     per (chunk, q/k head): K K^T once, then per value head c and beta and
+//               Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no gates; bf16 q,
+//               k, v, dO in slot layout (zero past the length)
+//   4. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0
+//   5. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
+//               order, the l2norm's backward, dv and dbeta to the user's tensors; then the gate
+//               step (chunk_bwd_reduce.cu) from dg.
+// Selected by chunk_bwd.cu (fused_backward_applies); its workspace: fused_workspace().
+#include "sm90/bwd_fused.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "sm90/bwd_fused_kernel.cuh"
+#include "sm90/bwd_tiles.cuh"
+#include "sm90/fwd_inverse.cuh"
+#include "sm90/tma.h"
+
+namespace flashgdn::cuda::bwd {
+
+namespace {
+
+namespace fk = sm90::fused_bwd;
+namespace tl = sm90::tiles;
+using bf16 = __nv_bfloat16;
+constexpr int kD = 128;
+
+size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+// ---- 3. prep --------------------------------------------------------------------------------
+// One warpgroup per (chunk slot, q/k head): the keys staged once as a bf16 tile (the values the
+// fused kernel multiplies), K K^T on wgmma (fp32 accumulation), then for each value head of the
+// group: c and beta (scan_chunk_gates), A = strict_lower(diag(beta) K K^T) and its inverse by the
+// forward's blocked inverse (fwd_inverse.cuh, TF32 split products), Ar to a swizzled tile; and
+// the rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length.
+struct PrepSmem {
+  alignas(1024) uint8_t kr[2 * tl::kTile64];  // K [64 tokens][128]: two 64-column tiles
+  float af[kC][sm90::kLdF];                    // A (its upper triangle: the inverse's scratch)
+  float tf[kC][sm90::kLdF];                    // T = Ar
+  float c[kC], beta[kC];
+};
+
+// Row `row`'s 8 values at column 8 c8 as bf16 (zero past len) from a 16-bit token row.
+__device__ __forceinline__ uint4 row8(const bf16* base, int row, int len, int c8) {
+  return row < len ? __ldg(reinterpret_cast<const uint4*>(base) + c8) : make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ uint4 pack8(const float* x) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(x)), b = __ldg(reinterpret_cast<const float4*>(x) + 1);
+  return make_uint4(cuda::pack2<bf16>(a.x, a.y), cuda::pack2<bf16>(a.z, a.w), cuda::pack2<bf16>(b.x, b.y),
+                    cuda::pack2<bf16>(b.z, b.w));
+}
+
+__global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P, FusedBuffers F) {
+  const int64_t gc = blockIdx.x, hq = blockIdx.y;
+  ChunkInfo ci;
+  if (!locate_chunk(P.seq, gc, ci)) return;  // a surplus slot: the fused kernel reads none
+  auto& S = dynamic_smem_1024<PrepSmem>();
+  const int tid = threadIdx.x, len = ci.len;
+  const tl::AccCoord ac(tid);
+  constexpr int kGroups = kC * kD / 8;  // 8-value groups of a 64 x 128 tile
+
+  // K (from kn: zero past the length) to the tile and to k16; Q to q16.
+  for (int x = tid; x < kGroups; x += tl::kWarpgroup) {
+    const int row = x / (kD / 8), c8 = x % (kD / 8);
+    const int64_t qk = qk_row(P, gc, row, hq);
+    const uint4 kv = pack8(P.kn + qk * kD + 8 * c8);
+    tl::put8(S.kr, tl::kTile64, row, c8, kv);
+    reinterpret_cast<uint4*>(F.k16 + qk * kD)[c8] = kv;
+    reinterpret_cast<uint4*>(F.q16 + qk * kD)[c8] = pack8(P.qn + qk * kD + 8 * c8);
+  }
+  sm90::fence_proxy_async();  // the tile, written by ordinary stores, is read by wgmma
+  __syncthreads();
+  float kk[1][32];
+  tl::begin_products();
+  tl::product_ss<bf16, 64, kD, 0>(kk, S.kr, S.kr, false);
+  tl::finish(kk);
+
+  const auto sync = [] { __syncthreads(); };
+  for (int64_t g = 0; g < P.group; ++g) {
+    const int64_t h = hq * P.group + g, u = gc * P.Hv + h;
+    const TokenGate tg = tid < kC ? load_token_gate(P, ci, h, tid) : TokenGate{};
+    // v, dO rows of this value head (their loads in flight under the scan and the inverse).
+    for (int x = tid; F.v16 != nullptr && x < kGroups; x += tl::kWarpgroup) {
+      const int row = x / (kD / 8), c8 = x % (kD / 8);
+      const int64_t t = ci.t0 + row, dst = ((gc * kC + row) * P.Hv + h) * kD;
+      reinterpret_cast<uint4*>(F.v16 + dst)[c8] =
+          row8(static_cast<const bf16*>(P.v.data) + tok_off(P.v, ci.b, t, h), row, len, c8);
+      reinterpret_cast<uint4*>(F.do16 + dst)[c8] =
+          row8(static_cast<const bf16*>(P.d_o.data) + tok_off(P.d_o, ci.b, t, h), row, len, c8);
+    }
+    scan_chunk_gates(tg, S.c, S.beta);  // (c held and beta zero past the length)
+    if (tid < kC) {
+      F.gates[u * 2 * kC + tid] = S.c[tid];
+      F.gates[u * 2 * kC + kC + tid] = S.beta[tid];
+    }
+    float bi[2];
+    ac.rows_of(S.beta, bi);
+#pragma unroll
+    for (int e = 0; e < 32; ++e)
+      S.af[ac.row(e)][ac.col(e)] = ac.row(e) > ac.col(e) ? bi[tl::AccCoord::row_slot(e)] * kk[0][e] : 0.f;
+    for (int e = tid; e < kC * sm90::kLdF; e += tl::kWarpgroup) (&S.tf[0][0])[e] = 0.f;
+    sync();
+    sm90::invert_chunk<true>(S, tid >> 5, tid & 31, sync);
+    uint8_t* tile = F.ar + u * fk::kSmall;
+    for (int x = tid; x < kC * kC / 2; x += tl::kWarpgroup) {
+      const int i = x / (kC / 2), j = 2 * (x % (kC / 2));
+      const float2 t = *reinterpret_cast<const float2*>(&S.tf[i][j]);
+      tl::put2<bf16>(tile, tl::kTile64, i, j, t.x, t.y);
+    }
+    sync();  // af, tf, c, beta free for the next value head
+  }
+}
+
+// ---- 5. reduce ------------------------------------------------------------------------------
+// Four adjacent values (i, 4 l .. 4 l + 3) of a 64 x 128 tile in the kernel's shared layout (two
+// 64-column blocks, 128-byte swizzle): one 8-byte load.
+__device__ __forceinline__ float4 tile4(const uint8_t* t, int i, int lane) {
+  const int col = 4 * lane;
+  const uint2 u = *reinterpret_cast<const uint2*>(t + (col >> 6) * 64 * 128 + sm90::swizzle128(i, (col & 63) >> 3) +
+                                                  (col & 7) * 2);
+  const float2 a = sm90::unpack2<bf16>(u.x), c = sm90::unpack2<bf16>(u.y);
+  return make_float4(a.x, a.y, c.x, c.y);
+}
+__device__ __forceinline__ void store4(bf16* o, float4 x) {
+  *reinterpret_cast<uint2*>(o) = make_uint2(cuda::pack2<bf16>(x.x, x.y), cuda::pack2<bf16>(x.z, x.w));
+}
+
+// One block per (chunk slot, q/k head): a warp a token, four columns a lane. dq, dk = the sum over
+// the group's value heads (ascending) of the tiles, then (l2norm) dx = r (dx^ - x^ (x^ . dx^));
+// dv and dbeta of the group's value heads copied out.
+__global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, FusedBuffers F) {
+  const int64_t gc = blockIdx.x, hq = blockIdx.y;
+  ChunkInfo ci;
+  if (!locate_chunk(P.seq, gc, ci)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < ci.len; i += kThreads / 32) {
+    const int64_t row = qk_row(P, gc, i, hq);
+    for (int which = 0; which < 2; ++which) {  // 0: dq (tile 2), 1: dk (tile 0)
+      float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int64_t g = 0; g < P.group; ++g) {
+        const float4 x = tile4(F.out + ((gc * P.Hv + hq * P.group + g) * 3 + (which == 0 ? 2 : 0)) * fk::kTile, i, lane);
+        d.x += x.x, d.y += x.y, d.z += x.z, d.w += x.w;
+      }
+      if (P.l2norm) {
+        const float4 xn = __ldg(reinterpret_cast<const float4*>((which == 0 ? P.qn : P.kn) + row * kD) + lane);
+        const float rn = (which == 0 ? P.rq : P.rk)[row];
+        const float dot = warp_sum(xn.x * d.x + xn.y * d.y + xn.z * d.z + xn.w * d.w);
+        d = make_float4(rn * (d.x - xn.x * dot), rn * (d.y - xn.y * dot), rn * (d.z - xn.z * dot),
+                        rn * (d.w - xn.w * dot));
+      }
+      const Tensor4& out = which == 0 ? P.dq : P.dk;
+      store4(static_cast<bf16*>(out.data) + tok_off(out, ci.b, ci.t0 + i, hq) + 4 * lane, d);
+    }
+    for (int64_t g = 0; g < P.group; ++g) {
+      const int64_t h = hq * P.group + g, u = gc * P.Hv + h;
+      store4(static_cast<bf16*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0 + i, h) + 4 * lane,
+             tile4(F.out + (u * 3 + 1) * fk::kTile, i, lane));
+      if (lane == 0)
+        store_from_float(P.dbeta.data, P.beta_dtype, ci.b * P.dbeta.s0 + (ci.t0 + i) * P.dbeta.s1 + h * P.dbeta.s2,
+                         F.dbeta[u * kC + i]);
+    }
+  }
+}
+
+// A 4-D tile map over a slot-layout bf16 buffer [rows, heads, 128] (sm90/tma.h's box).
+sm90::TileMap slot_map(const void* data, int64_t rows, int64_t heads) {
+  fgdn_tensor t{};
+  t.data = const_cast<void*>(data);
+  t.dtype = FGDN_BFLOAT16;
+  t.ndim = 4;
+  const int64_t shape[4] = {1, rows, heads, kD};
+  const int64_t strides[4] = {rows * heads * kD, heads * kD, kD, 1};
+  for (int i = 0; i < 4; ++i) t.shape[i] = shape[i], t.strides[i] = strides[i];
+  return sm90::make_tile_map(t);
+}
+
+}  // namespace
+
+bool fused_backward_applies(const Problem& p) {
+  const char* e = std::getenv("FLASHGDN_BWD_FUSED");
+  return e != nullptr && std::atoi(e) == 1 && p.precision == FGDN_PRECISION_FAST && p.qkv_dtype == FGDN_BFLOAT16 &&
+         p.K == kD && p.V == kD && (num_chunk_slots(p) + 1) * p.Hv * kD < (int64_t{1} << 31);  // 32-bit unit rows
+}
+
+FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
+  const size_t S = static_cast<size_t>(num_chunk_slots(p)), C = kC, D = kD;
+  const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
+  const bool direct = !p.varlen && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
+  const size_t vo = direct ? 0 : S * C * Hv * D * 2;
+  const size_t sizes[FusedLayout::kCount] = {
+      S * C * Hq * D * 4, S * C * Hq * D * 4,  // qn, kn
+      S * C * Hq * 4, S * C * Hq * 4,          // rq, rk
+      S * C * Hq * D * 2, S * C * Hq * D * 2,  // q16, k16
+      vo, vo,                                  // v16, do16
+      S * Hv * 2 * C * 4,                      // gates
+      S * Hv * fk::kSmall,                     // ar
+      S * Hv * 3 * fk::kTile,                  // out
+      S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
+  };
+  FusedLayout L{};
+  L.vo_direct = direct;
+  size_t o = 0;
+  for (int i = 0; i < FusedLayout::kCount; ++i) {
+    L.off[i] = o;
+    o += align256(sizes[i]);
+  }
+  L.bytes = o;
+  return L;
+}
+
+void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuffers& F, cudaStream_t s) {
+  const int64_t slots = P.num_chunks;
+  if (slots > 0) {
+    launch_bwd_qk_prep(P, s);
+    constexpr size_t kPrepSmem = dynamic_smem_1024_bytes<PrepSmem>();
+    set_dynamic_smem(fused_prep_kernel, kPrepSmem);
+    fused_prep_kernel<<<dim3(slots, P.Hq), tl::kWarpgroup, kPrepSmem, s>>>(P, F);
+    FGDN_CHECK_LAUNCH("bwd fused prep");
+  }
+  fk::Params K{};
+  const int64_t rows = slots * kC;
+  K.tq = slot_map(F.q16, std::max<int64_t>(rows, 1), P.Hq);
+  K.tk = slot_map(F.k16, std::max<int64_t>(rows, 1), P.Hq);
+  K.vo_direct = F.v16 == nullptr;
+  K.tv = K.vo_direct ? sm90::make_tile_map(a.in.v) : slot_map(F.v16, std::max<int64_t>(rows, 1), P.Hv);
+  K.tdo = K.vo_direct ? sm90::make_tile_map(a.d_o) : slot_map(F.do16, std::max<int64_t>(rows, 1), P.Hv);
+  K.ts0 = slot_map(P.h, (slots + 1) * P.Hv * kD, 1);  // bf16 h (states_in_bf16)
+  K.seq = P.seq;
+  K.Hv = static_cast<int32_t>(P.Hv);
+  K.group = static_cast<int32_t>(P.group);
+  K.ar = F.ar;
+  K.gates = F.gates;
+  K.out_tiles = F.out;
+  K.dg = F.dg;
+  K.dbeta = F.dbeta;
+  K.dht = P.d_final_state;
+  K.dh0 = P.dh0;
+  K.state_indices = P.state_indices;
+  K.has_dht = P.has_d_final_state;
+  K.want_dh0 = P.want_dh0;
+  K.state_v_first = P.state_v_first;
+  K.has_state_indices = P.has_state_indices;
+  K.idx_dtype = P.idx_dtype;
+  K.scale = P.scale;
+  constexpr size_t kSmem = sizeof(fk::Smem) + 1024;
+  set_dynamic_smem(fk::fused_bwd, kSmem);
+  if (P.N > 0 && P.Hv > 0) {  // a CTA a chain (sequences of no chunks too: their dh0 = d_final_state)
+    fk::fused_bwd<<<dim3(P.N, P.Hv), 512, kSmem, s>>>(K);
+    FGDN_CHECK_LAUNCH("bwd fused");
+  }
+  if (slots > 0) {
+    fused_reduce_kernel<<<dim3(slots, P.Hq), kThreads, 0, s>>>(P, F);
+    FGDN_CHECK_LAUNCH("bwd fused reduce");
+  }
+}
+
+}  // namespace flashgdn::cuda::bwd

@@ -1,0 +1,43 @@
+// The fused backward's host side (bwd_fused.cu): when it applies, its workspace and its launch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/chunk_bwd_internal.cuh"
+
+namespace flashgdn::cuda::bwd {
+
+// The fused kernel takes the backward when FLASHGDN_BWD_FUSED=1 (while it is being validated), at
+// `fast` with bf16 inputs and K = V = 128; every other call takes the staged chain (chunk_bwd.cu).
+bool fused_backward_applies(const Problem& p);
+
+// Its per-chunk buffers, every chunk slot at once (the walk covers whole sequences), in order.
+// vo_direct: the kernel reads v and dO from the user's tensors (dense calls whose v and dO TMA
+// can address: a partial chunk only at T's end, where the map reads zeros); no copies then.
+struct FusedLayout {
+  enum { kQn, kKn, kRq, kRk, kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kCount };
+  size_t off[kCount];
+  size_t bytes;
+  bool vo_direct;
+};
+FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a);
+
+struct FusedBuffers {
+  __nv_bfloat16 *q16, *k16, *v16, *do16;  // [slot 64 + i][heads][128], zero past the length
+                                          // (v16, do16 null: vo_direct)
+  float* gates;                           // [slot Hv + h][2][64]: c, beta
+  uint8_t* ar;                            // [slot Hv + h]: Ar, a 64 x 64 bf16 tile
+  uint8_t* out;                           // [slot Hv + h][3]: dk, dv, dq tiles (bf16)
+  float* dg;                              // [slot Hv + h][64] (P.dc: the gate step reads it)
+  float* dbeta;                           // [slot Hv + h][64]
+};
+
+// Steps 2-5 of bwd_fused.cu over every chunk slot (P.slot0 = 0, P.slots = P.num_chunks), after the
+// states pass; the gate step and the head sums follow (chunk_bwd.cu).
+void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuffers& F, cudaStream_t s);
+
+}  // namespace flashgdn::cuda::bwd

@@ -1,0 +1,936 @@
+// The fused reverse kernel of the backward at `fast` (issue 36; bench/fused-backward.md): one CTA
+// of four warpgroups per (sequence, value head) walks the sequence's chunks last to first with the
+// carry dS = dL/dS (K x V, fp32, in registers), for K = V = 128, bf16. Each chunk runs the stage
+// table of tests/python/fused_schedule.py, op for op: 16 stages separated by mbarriers, products
+// on wgmma with bf16 operands and fp32 accumulation.
+//   producer (warpgroup 3): warp 0 loads q, k, v, S0 (after stage 10) and dO, Ar (after 13) of the
+//            chunk before through TMA; warp 2 brings c and beta; warp 1 stores dk, dv, dq tiles;
+//   C (warpgroup 0): the carry: dS = e^{c_L} dS + K^T dVg + Q^T dOg, and <dS, S0> for dg;
+//   D (warpgroup 1): dVn = e^{c_L - c} (.) K dS + P^T dO, dR = Tb^T dVn (dv), dK;
+//   R (warpgroup 2): the recompute of P, Tb, K S0, R, Vn and dP, dQ, dAr, X, dA, dbeta, dg.
+// Inputs are prepared by bwd_fused.cu (slot-layout bf16 q, k, v, dO; c, beta; the gate-free inverse
+// Ar = (I + strict_lower(diag(beta) K K^T))^-1); outputs go to its workspace for the reduce step.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/ptx.cuh"
+#include "sm90/tma.h"
+#include "sm90/wgmma.cuh"
+
+namespace flashgdn::sm90::fused_bwd {
+
+using bf16 = __nv_bfloat16;
+using bf16 = __nv_bfloat16;
+
+constexpr int kStages = 16;
+constexpr uint32_t kTile = 64 * 128 * 2;   // a 64 x 128 bf16 tile: 16 KB
+constexpr uint32_t kState = 128 * 128 * 2;  // 32 KB
+constexpr uint32_t kSmall = 64 * 64 * 2;    // 8 KB
+constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
+constexpr uint32_t kLoad1 = kSmall + kTile;             // Ar, dO (reloaded after stage 13)
+// c and beta (512 bytes, after stage 14) come through registers (the producer's warp 2): loaded a
+// chunk ahead, stored once stage 14 ends, so no load latency is left between chunks.
+
+struct alignas(1024) Smem {
+  bf16 q[64 * 128], k[64 * 128], v[64 * 128], dO[64 * 128];
+  bf16 s0[128 * 128], dsm[128 * 128];  // [K][V]: K rows, V in two 64-column blocks
+  bf16 ar[64 * 64];
+  bf16 t11[64 * 64], t12[64 * 64], t13[64 * 64];
+  bf16 t21[64 * 128], t22[64 * 128], t23[64 * 128];
+  bf16 out[64 * 128];
+  float c[64], beta[64];                 // c then beta (the producer's warp 2 stores them as one)
+  float dc_R[64], dc_D[64], dbeta_R[64];
+  float dcl_part[4], kt_part[4];
+  Mbarrier bar[kStages], full0, full1;
+};
+
+// ---- layout -----------------------------------------------------------------------------------
+// Byte offset of element (row, col) of a tile with `rows` rows (64-column blocks of rows x 128 B).
+__device__ __forceinline__ uint32_t toff(int row, int col, int rows) {
+  return (col >> 6) * rows * 128 + swizzle128(row, (col & 63) >> 3) + (col & 7) * 2;
+}
+__device__ __forceinline__ float ld(const bf16* t, int row, int col, int rows) {
+  return __bfloat162float(*reinterpret_cast<const bf16*>(reinterpret_cast<const char*>(t) + toff(row, col, rows)));
+}
+// Accumulator element e of this thread (wgmma.cuh): row 16 w + g + 8 ((e >> 1) & 1), column
+// 8 (e >> 2) + 2 q + (e & 1), w the warp in the warpgroup, lane = 4 g + q.
+__device__ __forceinline__ int arow(int e) {
+  const int t = threadIdx.x;
+  return 16 * ((t >> 5) & 3) + ((t & 31) >> 2) + 8 * ((e >> 1) & 1);
+}
+__device__ __forceinline__ int acol(int e) { return 8 * (e >> 2) + 2 * (threadIdx.x & 3) + (e & 1); }
+// The carry's element (a, v) = (64 m + row, 64 hf + col) of element e as an offset into a state
+// tensor of sequence n, head h (fp32 | bf16 | fp16; [K][V] or V-major). The thread index comes
+// from a volatile instruction: recomputed where used, so ptxas does not keep 128 offsets across
+// the chunk loop from dS's load to dh0's store (it did, and spilled them).
+template <class ParamsT>
+__device__ __forceinline__ int64_t state_off(const ParamsT& P, const cuda::bwd::Tensor4& t, int64_t n, int h, int m,
+                                             int hf, int e) {
+  int tx;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  const int64_t a = 64 * m + 16 * ((tx >> 5) & 3) + ((tx & 31) >> 2) + 8 * ((e >> 1) & 1);
+  const int64_t v = 64 * hf + 8 * (e >> 2) + 2 * (tx & 3) + (e & 1);
+  const int64_t base = n * t.s0 + h * t.s1;
+  return P.state_v_first ? base + v * t.s2 + a : base + a * t.s2 + v;
+}
+
+// The accumulator fragment's place in a tile, computed once a role: element e lies at byte
+//   j_off[e >> 2] + 1024 ((e >> 1) & 1) + 2 (e & 1)   (+ 64 m 128 for row block m, + blk rows 128
+// for column block blk), j_off[j] = (16 w + g) 128 + ((j ^ g) << 4) + 4 q: the swizzle XORs the
+// 16-byte column chunk j with the row's low three bits, which are g for both of the thread's rows.
+// With the tile's place in Smem a constant, an access is one shared instruction: [j_off + imm].
+struct Frag {
+  uint32_t j_off[8];
+  int r0;  // the thread's first row, 16 w + g (its second is r0 + 8)
+  int cq;  // its first column in each block of eight, 2 q
+};
+// The thread index by a volatile read: each role's frag() stays after its register reallocation
+// (ptxas hoisted the roles' common offsets above it and spilled them across).
+__device__ __forceinline__ Frag frag() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  const int g = (t & 31) >> 2, q = t & 3;
+  Frag f;
+  f.r0 = 16 * ((t >> 5) & 3) + g;
+  f.cq = 2 * q;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f.j_off[j] = f.r0 * 128 + ((j ^ g) << 4) + 4 * q;
+  return f;
+}
+__device__ __forceinline__ int frow(const Frag& f, int e) { return f.r0 + 8 * ((e >> 1) & 1); }
+__device__ __forceinline__ int fcol(const Frag& f, int e) { return 8 * (e >> 2) + f.cq + (e & 1); }
+// Byte offset of element e in a tile with `rows` rows, row block m, column block blk.
+__device__ __forceinline__ uint32_t foff(const Frag& f, int e, int rows, int blk, int m) {
+  return f.j_off[e >> 2] + 1024 * ((e >> 1) & 1) + 2 * (e & 1) + blk * rows * 128 + m * 64 * 128;
+}
+// Elements e, e + 1 (e even: adjacent in a row) as one 32-bit load; element e alone through it, so
+// that a pass over e and e + 1 shares one load.
+template <int kRows = 64>
+__device__ __forceinline__ float2 fld2(const bf16* tile, const Frag& f, int e, int blk = 0, int m = 0) {
+  return __bfloat1622float2(
+      *reinterpret_cast<const __nv_bfloat162*>(reinterpret_cast<const char*>(tile) + foff(f, e, kRows, blk, m)));
+}
+template <int kRows = 64>
+__device__ __forceinline__ float fld(const bf16* tile, const Frag& f, int e, int blk = 0, int m = 0) {
+  return (e & 1) ? fld2<kRows>(tile, f, e - 1, blk, m).y : fld2<kRows>(tile, f, e, blk, m).x;
+}
+// The transposed fragment of a 64 x 64 tile, as pairs: t[e / 2] = (tile[fcol(e)][frow(e)],
+// tile[fcol(e + 1)][frow(e + 1)]), e even, by four ldmatrix.x4.trans. Call k reads the 8 x 8
+// blocks of tile rows 8 j .. 8 j + 7 and columns 16 w + 8 hi .. + 7 for j = 2 k + (m >> 1), hi = m & 1
+// (matrix m; lane l gives row l % 8 of matrix l / 8); its register m is pair 4 k + m.
+__device__ __forceinline__ void fld_t_pairs(const bf16* tile, const Frag& f, uint32_t (&t)[16]) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, rr = lane & 7, w = f.r0 >> 4;
+  const uint32_t base = smem_addr(tile) + rr * 128 + (((2 * w + (m & 1)) ^ rr) << 4) + (m >> 1) * 1024;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, base + k * 2048);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t[4 * k + i] = r[i];
+  }
+}
+template <int kRows = 64>
+__device__ __forceinline__ void fst2(bf16* tile, const Frag& f, int e, float x, float y, int blk = 0, int m = 0) {
+  *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(tile) + foff(f, e, kRows, blk, m)) = __floats2bfloat162_rn(x, y);
+}
+// Descriptors of k-step s: K-major (k along a tile's columns) and MN-major (k along its rows).
+__device__ __forceinline__ uint64_t kmaj_abs(const void* t, int rows, int s) {
+  return desc_k_major(smem_addr(t) + (s >> 2) * rows * 128 + (s & 3) * 32);
+}
+__device__ __forceinline__ uint64_t mnmaj_abs(const void* t, int rows, int s, uint32_t extra = 0) {
+  return desc_mn_major(smem_addr(t) + extra + s * 2048, rows * 128);
+}
+
+// d (+)= A B, both from shared memory (wgmma.cuh, bf16); tA / tB: the operand is MN-major.
+template <int tA, int tB>
+__device__ __forceinline__ void ss64(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+  wgmma_ss_n64<bf16, tB, tA>(d, a, b, acc);
+}
+template <int tA, int tB>
+__device__ __forceinline__ void ss64_first(float (&d)[32], uint64_t a, uint64_t b) {
+  wgmma_ss_n64_first<tB, tA>(d, a, b);
+}
+template <int tA, int tB>
+__device__ __forceinline__ void ss128(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b, int acc) {
+  wgmma_ss_n128<bf16, tB, tA>(d0, d1, a, b, acc);
+}
+template <int tA, int tB>
+__device__ __forceinline__ void ss128_first(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b) {
+  wgmma_ss_n128_first<tB, tA>(d0, d1, a, b);
+}
+
+// A product of `steps` k-steps, waited for: D (+)= A B. fa(s), fb(s): the descriptors of step s.
+template <int tA, int tB, int kSteps, class FA, class FB>
+__device__ __forceinline__ void mm64(float (&d)[32], FA fa, FB fb, bool accumulate) {
+  __syncwarp();  // wgmma and its fence are .sync.aligned: the warp converged (as bwd_tiles.cuh)
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == 0 && !accumulate)
+      ss64_first<tA, tB>(d, fa(s), fb(s));
+    else
+      ss64<tA, tB>(d, fa(s), fb(s), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(d);
+}
+template <int tA, int tB, int kSteps, class FA, class FB>
+__device__ __forceinline__ void mm128(float (&d)[2][32], FA fa, FB fb, bool accumulate) {
+  __syncwarp();
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == 0 && !accumulate)
+      ss128_first<tA, tB>(d[0], d[1], fa(s), fb(s));
+    else
+      ss128<tA, tB>(d[0], d[1], fa(s), fb(s), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(d[0]);
+  fence_regs(d[1]);
+}
+
+// A product issued, not waited for: D's registers belong to the tensor cores until mm_wait<n>
+// (at most n groups still in flight) with D fenced again; nothing may touch them in between.
+template <int tA, int tB, int kSteps, class FA, class FB>
+__device__ __forceinline__ void mm64_issue(float (&d)[32], FA fa, FB fb) {
+  __syncwarp();
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == 0)
+      ss64_first<tA, tB>(d, fa(s), fb(s));
+    else
+      ss64<tA, tB>(d, fa(s), fb(s), 1);
+  }
+  wgmma_commit();
+  fence_regs(d);
+}
+template <int tA, int tB, int kSteps, class FA, class FB>
+__device__ __forceinline__ void mm128_issue(float (&d)[2][32], FA fa, FB fb) {
+  __syncwarp();
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == 0)
+      ss128_first<tA, tB>(d[0], d[1], fa(s), fb(s));
+    else
+      ss128<tA, tB>(d[0], d[1], fa(s), fb(s), 1);
+  }
+  wgmma_commit();
+  fence_regs(d[0]);
+  fence_regs(d[1]);
+}
+template <int kInFlight>
+__device__ __forceinline__ void mm_wait(float (&d)[32]) {
+  wgmma_wait<kInFlight>();
+  fence_regs(d);
+}
+template <int kInFlight>
+__device__ __forceinline__ void mm_wait(float (&d)[2][32]) {
+  wgmma_wait<kInFlight>();
+  fence_regs(d[0]);
+  fence_regs(d[1]);
+}
+
+// f(integral_constant<int, s>) for s = 0 .. kStages - 1, in order: stages unrolled by construction.
+template <class F, int... kS>
+__device__ __forceinline__ void each_stage(F&& f, std::integer_sequence<int, kS...>) {
+  (f(std::integral_constant<int, kS>{}), ...);
+}
+
+// Row sum over the four lanes of a row (q = 0 .. 3).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(~0u, x, 1);
+  return x + __shfl_xor_sync(~0u, x, 2);
+}
+// Column sum over the warp's 16 rows (the eight lanes of a column, g = 0 .. 7).
+__device__ __forceinline__ float octet_sum(float x) {
+  x += __shfl_xor_sync(~0u, x, 4);
+  x += __shfl_xor_sync(~0u, x, 8);
+  return x + __shfl_xor_sync(~0u, x, 16);
+}
+__device__ __forceinline__ void role_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// e^x as one MUFU (ex2.approx.ftz; __expf adds range handling around the same instruction).
+__device__ __forceinline__ float fexp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+// Gam(r, c) = e^{c_r - c_c} on and below the diagonal, 0 above (c is non-increasing).
+__device__ __forceinline__ float gam(const float* c, int r, int col) {
+  return r >= col ? fexp(fminf(c[r] - c[col], 0.f)) : 0.f;
+}
+// A 64-vector at this thread's fragment positions, read once a pass (not once an element): its
+// two rows (vr[hi] = v[r0 + 8 hi]) and its 16 columns (vc[2 j + b] = v[8 j + 2 q + b], eight
+// 8-byte loads). Element e's row value is vr[(e >> 1) & 1], its column value vc[2 (e >> 2) + (e & 1)].
+struct FragVec {
+  float vr[2], vc[16];
+};
+__device__ __forceinline__ FragVec frag_vec(const float* v, int r0, int cq) {
+  FragVec f;
+  f.vr[0] = v[r0];
+  f.vr[1] = v[r0 + 8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 t = *reinterpret_cast<const float2*>(v + 8 * j + cq);
+    f.vc[2 * j] = t.x;
+    f.vc[2 * j + 1] = t.y;
+  }
+  return f;
+}
+__device__ __forceinline__ float row_of(const FragVec& f, int e) { return f.vr[(e >> 1) & 1]; }
+__device__ __forceinline__ float col_of(const FragVec& f, int e) { return f.vc[2 * (e >> 2) + (e & 1)]; }
+// Gam at element e (row r, column col of the fragment) from c's fragment values.
+__device__ __forceinline__ float gam_at(const FragVec& cf, int e, int r, int col) {
+  return r >= col ? fexp(fminf(row_of(cf, e) - col_of(cf, e), 0.f)) : 0.f;
+}
+
+// The kernel's descriptors as base + constant: the three layouts' descriptors of the Smem base are
+// computed once (uniform registers); a tile's k-step adds (its offset in Smem + the step's) >> 4 to
+// the start-address field, which cannot carry (shared addresses < 2^18, all offsets multiples of
+// 16). ptxas then folds each k-step's descriptor to one add instead of recomputing the masks.
+struct Descs {
+  uint64_t k;             // K-major
+  uint64_t mn64, mn128;   // MN-major, 64- and 128-row tiles
+};
+template <class SmemT>
+__device__ __forceinline__ Descs descs(const SmemT& S) {
+  const uint32_t a = smem_addr(&S);
+  return Descs{desc_k_major(a), desc_mn_major(a, 64 * 128), desc_mn_major(a, 128 * 128)};
+}
+template <class SmemT>
+__device__ __forceinline__ uint32_t in_smem(const SmemT& S, const void* t) {
+  return uint32_t(static_cast<const char*>(t) - reinterpret_cast<const char*>(&S));
+}
+template <class SmemT>
+__device__ __forceinline__ uint64_t kmaj(const Descs& d, const SmemT& S, const void* t, int rows, int s) {
+  return d.k + ((in_smem(S, t) + (s >> 2) * rows * 128 + (s & 3) * 32) >> 4);
+}
+template <class SmemT>
+__device__ __forceinline__ uint64_t mnmaj(const Descs& d, const SmemT& S, const void* t, int rows, int s,
+                                          uint32_t extra = 0) {
+  return (rows == 64 ? d.mn64 : d.mn128) + ((in_smem(S, t) + extra + s * 2048) >> 4);
+}
+
+struct Params {
+  // q, k ([rows, Hq, 128]) and v, dO ([rows, Hv, 128]): bf16 in slot layout (64 rows a chunk slot,
+  // zero past the chunk's length; bwd_fused.cu's prep), as 4-D tile maps (sm90/tma.h: boxes of
+  // 64 x 1 x 64 x 1, the 128-byte swizzle); v, dO the user's [B, T, Hv, 128] where vo_direct.
+  TileMap tq, tk, tv, tdo;
+  // S0: the states pass's bf16 h ([(slots + 1) Hv 128 rows][128], [K][V] a unit), a 2-D map with
+  // 64 x 128 boxes: one box a 64-column block of the tile.
+  TileMap ts0;
+  cuda::SeqLayout seq;
+  int32_t Hv, group;
+  const uint8_t* ar;    // [slot Hv + h] 64 x 64 bf16 tiles of Ar (the shared layout)
+  const float* gates;   // [slot Hv + h][2][64]: c, beta (c held and beta zero past the length)
+  uint8_t* out_tiles;   // [slot Hv + h][3] tiles: dk, dv, dq (bf16, the shared layout)
+  float* dg;            // [slot Hv + h][64]: dL/dg before the floor and the activation
+  float* dbeta;         // [slot Hv + h][64]
+  // d_final_state and dh0 as the library's state tensors (bwd::BwdParams; element (n, h, a, v)
+  // at n s0 + h s1 + a s2 + v, or v s2 + a where state_v_first), fp32 | bf16 | fp16.
+  cuda::bwd::Tensor4 dht, dh0;
+  const void* state_indices;
+  int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
+  int32_t vo_direct;  // tv, tdo map the user's v, dO (dense calls whose tensors TMA can address)
+  float scale;
+};
+
+
+__global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Params P) {
+  extern __shared__ __align__(16) uint8_t raw[];
+  const uint32_t at = smem_addr(raw);
+  Smem& S = *reinterpret_cast<Smem*>(raw + ((1024u - (at & 1023u)) & 1023u));
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
+  // (cuda/chunk_index.cuh), walked last to first.
+  const int h = blockIdx.y;
+  const int64_t n_seq = blockIdx.x;
+  // N chunks; unit rows (slot Hv + h) as 32-bit integers (the launcher checks the range). Each role
+  // computes them after its register allocation (chain()): values live across the roles' split
+  // were spilled.
+  int N, u0;
+  const auto chain = [&]() {
+    const cuda::SeqInfo si = cuda::seq_info(P.seq, n_seq);
+    N = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
+    u0 = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, 0, si.t0)) * P.Hv + h;
+  };
+  if (tid < kStages) S.bar[tid].init(384 + ((tid == 3 || tid == 9 || tid == 15) ? 32 : 0));
+  if (tid == kStages) S.full0.init(1);
+  if (tid == kStages + 1) S.full1.init(2);  // the bulk loads' arrival and warp 2's (c, beta)
+  fence_barrier_init();
+  __syncthreads();
+  // Chunks last to first: iteration i works on chunk n = N - 1 - i, slot f + n, unit row u(n).
+  auto unit = [&](int n) { return u0 + n * P.Hv; };
+  auto gv = [&](int i) { return P.gates + size_t(unit(N - 1 - i)) * 128; };
+  auto out_tile = [&](int n, int j) { return P.out_tiles + (size_t(unit(n)) * 3 + j) * kTile; };
+
+  if (wg == 3) {  // ---- producer: loads (warp 0), stores (warp 1) ----------------------------
+    setmaxnreg_dec<32>();
+    chain();
+    if (warp == 0 && lane == 0) {
+      const int hq = h / P.group;
+      // A 64 x 128 tile of a slot-layout tensor: two 64-column boxes, each 64 rows x 128 bytes,
+      // the tile's two column blocks (its layout is the box's, swizzle included).
+      // Box (c0, head, row) through the map's dimension order (sm90/tma.h: a one-head map puts
+      // the rows first).
+      auto box = [&](bf16* dst, const TileMap& m, Mbarrier* bar, int c0, int head, int row, int b = 0) {
+        const TileMapOrder& o = m.order;
+        tma_load_4d(dst, &m.map, bar, c0, o.at(1, head, row, b), o.at(2, head, row, b), o.at(3, head, row, b));
+      };
+      // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
+      // tensor's (batch row n, tokens from 64 (N - 1 - i): dense only, rows past T read as zeros).
+      auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
+        const int row = direct ? (N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
+        const int b = direct ? static_cast<int>(n_seq) : 0;
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
+      };
+      auto load0 = [&](int i) {
+        S.full0.arrive_expect_tx(kLoad0);
+        tile(S.q, P.tq, hq, i, &S.full0);
+        tile(S.k, P.tk, hq, i, &S.full0);
+        tile(S.v, P.tv, h, i, &S.full0, P.vo_direct);
+        // S0 (128 rows): four boxes of 64 rows, column block blk's rows at blk 128 128 bytes.
+        const int row = unit(N - 1 - i) * 128;
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            box(S.s0 + blk * 128 * 64 + half * 64 * 64, P.ts0, &S.full0, blk * 64, 0, row + 64 * half);
+      };
+      auto load1 = [&](int i) {
+        S.full1.arrive_expect_tx(kLoad1);
+        tile(S.dO, P.tdo, h, i, &S.full1, P.vo_direct);
+        bulk_load(S.ar, P.ar + size_t(unit(N - 1 - i)) * kSmall, kSmall, &S.full1);
+      };
+      if (N > 0) {
+        load0(0);
+        load1(0);
+      }
+      for (int i = 0; i + 1 < N; ++i) {
+        S.bar[10].wait(i & 1);
+        load0(i + 1);
+        S.bar[13].wait(i & 1);
+        load1(i + 1);
+      }
+    } else if (warp == 2) {  // c, beta: 128 floats, four a lane, c then beta as in Smem
+      for (int i = 0; i < N; ++i) {
+        const float4 v = reinterpret_cast<const float4*>(gv(i))[lane];
+        if (i > 0) S.bar[14].wait((i - 1) & 1);
+        reinterpret_cast<float4*>(S.c)[lane] = v;
+        __syncwarp();
+        if (lane == 0) S.full1.arrive();
+      }
+    } else if (warp == 1) {
+      const int written[3] = {0, 4, 10}, freed[3] = {3, 9, 15};
+      for (int i = 0; i < N; ++i) {
+        const int n = N - 1 - i;
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          S.bar[written[j]].wait(i & 1);
+          // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
+          if (lane == 0 && (j > 0 || i > 0)) {
+            bulk_store(out_tile(j == 0 ? n + 1 : n, j), S.out, kTile);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+          }
+          __syncwarp();
+          S.bar[freed[j]].arrive();
+        }
+      }
+      if (lane == 0) bulk_wait_group<0>();
+    }
+    return;
+  }
+
+  const float scale = P.scale;
+  if (wg == 0) {  // ---- C: the carry dS (K x V fp32), rows 64 m + arow, columns 64 half + acol ---
+    setmaxnreg_inc<176>();
+    chain();
+    const Descs dd = descs(S);
+    const Frag fr = frag();
+    float ds[2][2][32];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int e = 0; e < 32; ++e)
+          ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
+    auto mirror = [&]() {  // dsm = bf16(dS)
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int e = 0; e < 32; e += 2)
+            fst2<128>(S.dsm, fr, e, ds[m][hf][e], ds[m][hf][e + 1], hf, m);
+    };
+    mirror();  // dS at the sequence's end, before stage 1 of the first chunk reads it
+    fence_proxy_async();
+    for (int i = 0; i < N; ++i) {
+      const uint32_t ph = i & 1;
+      S.full0.wait(ph);
+      S.full1.wait(ph);
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        if (s == 1) {  // decay: dS = e^{c_L} dS
+          const float eL = fexp(S.c[63]);
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; ++e) ds[m][hf][e] *= eL;
+        }
+        if (s == 4) {  // <dS, S0> for dg (dS already decayed: e^{c_L} <dS_in, S0>)
+          float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains, not one of 128 dependent FMAs
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; e += 2) {
+                const float2 s0 = fld2<128>(S.s0, fr, e, hf, m);
+                part[2 * m + hf] += ds[m][hf][e] * s0.x + ds[m][hf][e + 1] * s0.y;
+              }
+          float acc = (part[0] + part[1]) + (part[2] + part[3]);
+          acc = octet_sum(quad_sum(acc));
+          if (lane == 0) S.dcl_part[warp] = acc;
+        }
+        if (s == 11) {  // P13: dS += K^T dVg (K from t22, dVg from t23)
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+            mm128<1, 1, 4>(ds[m], [&](int k) { return mnmaj(dd, S, S.t22, 64, k, m * 8192); },
+                           [&](int k) { return mnmaj(dd, S, S.t23, 64, k); }, true);
+        }
+        if (s == 14) {  // P18: dS += Q^T dOg (Q copy in t21)
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+            mm128<1, 1, 4>(ds[m], [&](int k) { return mnmaj(dd, S, S.t21, 64, k, m * 8192); },
+                           [&](int k) { return mnmaj(dd, S, S.t23, 64, k); }, true);
+        }
+        if (s == 15) {
+          mirror();
+          fence_proxy_async();
+        }
+        S.bar[s].arrive();
+        S.bar[s].wait(ph);
+      }
+    }
+    if (P.want_dh0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
+      const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int e = 0; e < 32; ++e)
+            cuda::store_from_float(P.dh0.data, P.dh0.dtype, state_off(P, P.dh0, n_seq, h, m, hf, e),
+                                   keep ? ds[m][hf][e] : 0.f);
+    }
+  } else if (wg == 1) {  // ---- D: dVn, dR (dv), dK -------------------------------------------
+    setmaxnreg_dec<112>();  // from the launch's 128: a decrease
+    chain();
+    const Descs dd = descs(S);
+    const Frag fr = frag();
+    float acc[2][32];
+    auto emit = [&](bf16* tile) {  // acc (64 x 128) to a tile, bf16
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int e = 0; e < 32; e += 2) fst2(tile, fr, e, acc[hf][e], acc[hf][e + 1], hf);
+    };
+    for (int i = 0; i < N; ++i) {
+      const uint32_t ph = i & 1;
+      S.full0.wait(ph);
+      S.full1.wait(ph);
+      const float* c = S.c;
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        if (s == 0 && i > 0) {  // the chunk after's dK to out
+          emit(S.out);
+          fence_proxy_async();
+        }
+        if (s == 1) {  // P2: dVn = e^{c_L - c} (.) (K dsm)
+          mm128<0, 1, 8>(acc, [&](int k) { return kmaj(dd, S, S.k, 64, k); }, [&](int k) { return mnmaj(dd, S, S.dsm, 128, k); },
+                         false);
+          const float dec[2] = {fexp(c[63] - c[fr.r0]), fexp(c[63] - c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) acc[hf][e] *= dec[(e >> 1) & 1];
+        }
+        if (s == 2)  // P3: dVn += P^T dO
+          mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.dO, 64, k); },
+                         true);
+        if (s == 3) {  // dVn staged in t21
+          emit(S.t21);
+          fence_proxy_async();
+        }
+        if (s == 4) {  // P5: dR = Tb^T dVn; dv to out
+          mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
+                         false);
+          emit(S.out);
+          fence_proxy_async();
+        }
+        if (s == 5) {  // dg's R term: dR (.) (-e^c K S0), K S0 in t23; then dVg = -e^c dR to t23
+          float rs[2] = {0.f, 0.f};
+          const float ex[2] = {fexp(c[fr.r0]), fexp(c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const float2 ks = fld2(S.t23, fr, e, hf);
+              rs[(e >> 1) & 1] -= ex[(e >> 1) & 1] * (acc[hf][e] * ks.x + acc[hf][e + 1] * ks.y);
+            }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            rs[j] = quad_sum(rs[j]);
+            if ((lane & 3) == 0) S.dc_D[fr.r0 + 8 * j] = rs[j];
+          }
+          __syncwarp();
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const float f = -ex[(e >> 1) & 1];
+              fst2(S.t23, fr, e, f * acc[hf][e], f * acc[hf][e + 1], hf);
+            }
+          fence_proxy_async();
+        }
+        if (s == 6) {  // K copied to t22 (the same layout: a 16 KB copy)
+          const uint4* src = reinterpret_cast<const uint4*>(S.k);
+          uint4* dst = reinterpret_cast<uint4*>(S.t22);
+          for (int j = tid & 127; j < int(kTile / 16); j += 128) dst[j] = src[j];
+          fence_proxy_async();
+        }
+        if (s == 7)  // P9: dK~ = Vn dsm^T
+          mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.dsm, 128, k); },
+                         false);
+        if (s == 8) {  // dK = e^{c_L - c} (.) dK~; dg's K~ term
+          float rs[2] = {0.f, 0.f};
+          const float dec[2] = {fexp(c[63] - c[fr.r0]), fexp(c[63] - c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const float f = dec[(e >> 1) & 1];
+              const float2 kk = fld2(S.t22, fr, e, hf);
+              acc[hf][e] *= f;
+              acc[hf][e + 1] *= f;
+              rs[(e >> 1) & 1] += acc[hf][e] * kk.x + acc[hf][e + 1] * kk.y;
+            }
+          float tot = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            rs[j] = quad_sum(rs[j]);
+            if ((lane & 3) == 0) S.dc_D[fr.r0 + 8 * j] -= rs[j];
+            tot += rs[j];
+          }
+          tot = octet_sum(tot);  // the warp's 16 rows (each row's sum counted once: lanes q = 0 .. 3 hold it)
+          if (lane == 0) S.kt_part[warp] = tot;
+          role_sync(2);
+          if ((tid & 127) == 0) S.dc_D[63] += S.kt_part[0] + S.kt_part[1] + S.kt_part[2] + S.kt_part[3];
+        }
+        if (s == 9)  // P11: dK += dVg S0^T
+          mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t23, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
+                         true);
+        if (s == 12)  // P14: dK += dP^T Q
+          mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
+                         true);
+        if (s == 13) {  // dOg = scale e^c (.) dO to t23, for the carry's P18
+          const float f[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const float fe = f[(e >> 1) & 1];
+              const float2 d = fld2(S.dO, fr, e, hf);
+              fst2(S.t23, fr, e, fe * d.x, fe * d.y, hf);
+            }
+          fence_proxy_async();
+        }
+        if (s == 15)  // P19: dK += dAs K
+          mm128<0, 1, 4>(acc, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
+                         true);
+        S.bar[s].arrive();
+        S.bar[s].wait(ph);
+      }
+    }
+    // The epilogue: the walk's last chunk (chunk 0) dK, once the store warp is done with out.
+    emit(S.out);
+    fence_proxy_async();
+    role_sync(2);
+    if ((tid & 127) == 0 && N > 0) {
+      bulk_store(out_tile(0, 0), S.out, kTile);
+      bulk_commit_group();
+      bulk_wait_group<0>();
+    }
+  } else {  // ---- R: P, Tb, K S0, R, Vn, dP, dQ, dAr, X, dA, dbeta, dg ---------------------------
+    setmaxnreg_inc<192>();
+    chain();
+    const Descs dd = descs(S);
+    const Frag fr = frag();
+    float p[32], x[32], wide[2][32];
+    for (int i = 0; i < N; ++i) {
+      const uint32_t ph = i & 1;
+      const int n = N - 1 - i;
+      S.full0.wait(ph);
+      S.full1.wait(ph);
+      const float* c = S.c;
+      const float* beta = S.beta;
+      // The stages as straight-line code (the loop form stays a loop: ptxas then cannot follow a
+      // product issued in one stage and waited for in a later one, and waits at every stage's end).
+      auto stage = [&](auto stage_index) {
+        constexpr int s = decltype(stage_index)::value;
+        if (s == 0) {  // P1: P = Q K^T; P4 (K S0, stage 3's) issued behind it, to run under stages 1-2
+          mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.q, 64, k); }, [&](int k) { return kmaj(dd, S, S.k, 64, k); });
+          mm128_issue<0, 1, 8>(wide, [&](int k) { return kmaj(dd, S, S.k, 64, k); },
+                               [&](int k) { return mnmaj(dd, S, S.s0, 128, k); });
+          mm_wait<1>(p);
+          if ((tid & 127) < 64) S.dc_R[tid & 127] = 0.f;
+        }
+        if (s == 1) {  // P staged: t11 = scale lower(P) (.) Gam
+          const FragVec cf = frag_vec(c, fr.r0, fr.cq);
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) {
+            const int r = frow(fr, e), col = fcol(fr, e);
+            fst2(S.t11, fr, e, scale * p[e] * gam_at(cf, e, r, col), scale * p[e + 1] * gam_at(cf, e + 1, r, col + 1));
+          }
+          fence_proxy_async();
+        }
+        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta), while P4 runs
+          const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) {
+            const int r = frow(fr, e), col = fcol(fr, e);
+            const float2 a = fld2(S.ar, fr, e);
+            fst2(S.t12, fr, e, gam_at(cf, e, r, col) * a.x * col_of(bf, e),
+                 gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1));
+          }
+          fence_proxy_async();
+        }
+        if (s == 3) mm_wait<0>(wide);  // P4: K S0 (issued at stage 0)
+        if (s == 4) {  // K S0 staged in t23, R = V - e^c (.) K S0 staged in t22
+          const float ec[2] = {fexp(c[fr.r0]), fexp(c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const __nv_bfloat162 kb = __floats2bfloat162_rn(wide[hf][e], wide[hf][e + 1]);  // K S0 staged
+              *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(S.t23) + foff(fr, e, 64, hf, 0)) = kb;
+              const float k0 = __low2float(kb), k1 = __high2float(kb);
+              const float f = ec[(e >> 1) & 1];
+              const float2 vv = fld2(S.v, fr, e, hf);
+              fst2(S.t22, fr, e, vv.x - f * k0, vv.y - f * k1, hf);
+            }
+          fence_proxy_async();
+        }
+        if (s == 5) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
+          mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
+                        false);
+          mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
+                         false);
+          role_sync(1);  // every R warp has read dVn from t21 before it becomes Vn
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) fst2(S.t21, fr, e, wide[hf][e], wide[hf][e + 1], hf);
+          fence_proxy_async();
+        }
+        if (s == 6) {  // P8: dP = dO Vn^T
+          mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.t21, 64, k); });
+          mm_wait<0>(p);
+        }
+        if (s == 7) {  // dP staged; dg's Gam terms; dT, dAr; dbeta's T term
+          // Per-warp column sums (dg's, then dbeta's), summed in warp order: fp32 scratch in t13
+          // (free until stage 11).
+          float(*colpart)[64] = reinterpret_cast<float(*)[64]>(S.t13);
+          // Each thread reads and overwrites only its own elements of t11 (the staged P, then dP): dP
+          // is written as each pair is done. Column sums a block of eight columns at a time.
+          float rs[2] = {0.f, 0.f};
+          const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float cs[2], cb[2];  // columns 8 j + 2 q + b, b = 0, 1: over the thread's two rows
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+              const int e0 = 4 * j + 2 * hi;
+              const float2 pst2 = fld2(S.t11, fr, e0);  // the staged P (scale, mask and Gam in it)
+              const float2 ar2 = fld2(S.ar, fr, e0);
+#pragma unroll
+              for (int b = 0; b < 2; ++b) {
+                const int e = e0 + b;
+                const int r = frow(fr, e), col = fcol(fr, e);
+                const float gm = gam_at(cf, e, r, col);
+                const float pp = (r >= col ? p[e] : 0.f) * (b ? pst2.y : pst2.x);
+                const float t = gm * (b ? ar2.y : ar2.x);
+                const float dt = x[e] * col_of(bf, e);
+                const float tt = r > col ? dt * t : 0.f;
+                rs[hi] += pp + tt;
+                // Column terms: -pp - tt for dg, dtb (.) t for dbeta.
+                cs[b] = hi ? cs[b] - (pp + tt) : -(pp + tt);
+                cb[b] = hi ? cb[b] + x[e] * t : x[e] * t;
+                p[e] = scale * (r >= col ? p[e] : 0.f) * gm;  // dP
+                x[e] = r > col ? dt * gm : 0.f;               // dAr (register)
+              }
+              fst2(S.t11, fr, e0, p[e0], p[e0 + 1]);
+            }
+            // The four sums over the warp's 16 rows (the eight lanes g of a column) by reduce-scatter:
+            // v = (cs0, cs1, cb0, cb1); after three exchanges lane (g, q) holds v[2 g0 + g1] summed
+            // over g (4 shuffles instead of 4 octet sums' 12).
+            const int g0 = (lane >> 2) & 1, g1 = (lane >> 3) & 1;
+            float a0 = g0 ? cb[0] : cs[0], a1 = g0 ? cb[1] : cs[1];
+            const float s0 = g0 ? cs[0] : cb[0], s1 = g0 ? cs[1] : cb[1];
+            a0 += __shfl_xor_sync(~0u, s0, 4);
+            a1 += __shfl_xor_sync(~0u, s1, 4);
+            float v = g1 ? a1 : a0;
+            v += __shfl_xor_sync(~0u, g1 ? a0 : a1, 8);
+            v += __shfl_xor_sync(~0u, v, 16);
+            if (lane < 16) colpart[4 * g0 + warp][8 * j + 2 * (lane & 3) + g1] = v;
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            rs[j] = quad_sum(rs[j]);
+            if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
+          }
+          role_sync(1);  // column partials written
+          if ((tid & 127) < 64) {
+            const int col = tid & 127;
+            S.dc_R[col] += colpart[0][col] + colpart[1][col] + colpart[2][col] + colpart[3][col];
+            S.dbeta_R[col] = colpart[4][col] + colpart[5][col] + colpart[6][col] + colpart[7][col];
+          }
+          fence_proxy_async();
+        }
+        // P10: dQ~ = dO S0^T. Issued at stage 6 to run under stage 7 it was slower (16.2 against 15.2
+        // us a chunk step, 132 heads x 64 chunks): its 64 accumulators spilled stage 7's work.
+        if (s == 8)
+          mm128<0, 0, 8>(wide, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
+                         false);
+        if (s == 9) {  // dQ = scale e^c (.) dQ~; dg's Q~ term; Q copied to t21
+          float rs[2] = {0.f, 0.f};
+          const float fq[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) {
+              const float f = fq[(e >> 1) & 1];
+              const float qv = fld(S.q, fr, e, hf);
+              wide[hf][e] *= f;
+              rs[(e >> 1) & 1] += wide[hf][e] * qv;
+            }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            rs[j] = quad_sum(rs[j]);
+            if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
+          }
+          const uint4* src = reinterpret_cast<const uint4*>(S.q);
+          uint4* dst = reinterpret_cast<uint4*>(S.t21);
+          for (int j = tid & 127; j < int(kTile / 16); j += 128) dst[j] = src[j];
+          fence_proxy_async();
+        }
+        if (s == 10) {  // P12: dQ += dP K; dq to out
+          mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
+                         true);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) fst2(S.out, fr, e, wide[hf][e], wide[hf][e + 1], hf);
+          fence_proxy_async();
+        }
+        if (s == 11) {  // dAr staged in t13
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) fst2(S.t13, fr, e, x[e], x[e + 1]);
+          fence_proxy_async();
+        }
+        if (s == 12) {  // P15: X = Ar^T dAr, staged in t12; P17 (K K^T, stage 13's) issued behind it
+          mm64_issue<1, 1, 4>(x, [&](int k) { return mnmaj(dd, S, S.ar, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); });
+          mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); });
+          mm_wait<1>(x);
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) fst2(S.t12, fr, e, x[e], x[e + 1]);
+          fence_proxy_async();
+        }
+        if (s == 13) {  // P16: dA0 = -lower(X Ar^T); P17 (issued at stage 12) waited for with it
+          role_sync(1);  // X complete in t12
+          mm64_issue<0, 0, 4>(x, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return kmaj(dd, S, S.ar, 64, k); });
+          mm_wait<0>(x);
+          fence_regs(p);
+#pragma unroll
+          for (int e = 0; e < 32; ++e) x[e] = frow(fr, e) > fcol(fr, e) ? -x[e] : 0.f;
+        }
+        if (s == 14) {  // dbeta's A0 term; dAs = dkk + dkk^T staged in t12 (dkk = dA0 rows by beta)
+          float rs[2] = {0.f, 0.f};
+#pragma unroll
+          for (int e = 0; e < 32; ++e) {
+            rs[(e >> 1) & 1] += x[e] * p[e];
+            x[e] *= beta[frow(fr, e)];
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            rs[j] = quad_sum(rs[j]);
+            if ((lane & 3) == 0) S.dbeta_R[fr.r0 + 8 * j] += rs[j];
+          }
+          // dkk's transpose through shared memory as hi + lo bf16 halves (t13 and t11, free now).
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) {
+            const float h0 = __bfloat162float(__float2bfloat16_rn(x[e]));
+            const float h1 = __bfloat162float(__float2bfloat16_rn(x[e + 1]));
+            fst2(S.t13, fr, e, h0, h1);
+            fst2(S.t11, fr, e, x[e] - h0, x[e + 1] - h1);
+          }
+          role_sync(1);
+          uint32_t th[16], tl[16];
+          fld_t_pairs(S.t13, fr, th);
+          fld_t_pairs(S.t11, fr, tl);
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) {
+            const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&th[e / 2]));
+            const float2 l = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&tl[e / 2]));
+            fst2(S.t12, fr, e, x[e] + h.x + l.x, x[e + 1] + h.y + l.y);
+          }
+          fence_proxy_async();
+        }
+        if (s == 15) {  // dg by a reverse cumulative sum; dbeta out
+          {  // dg_r = sum_{r' >= r} d_r': lane l holds rows 2 l, 2 l + 1; a suffix scan of pairs (every R
+             // warp scans, warp 0 stores: the shuffles stay in converged code)
+            float* dg = P.dg + size_t(unit(n)) * 64;
+            const float lo = S.dc_R[2 * lane] + S.dc_D[2 * lane];
+            float hi = S.dc_R[2 * lane + 1] + S.dc_D[2 * lane + 1];
+            if (lane == 31) hi += S.dcl_part[0] + S.dcl_part[1] + S.dcl_part[2] + S.dcl_part[3];
+            float x = lo + hi;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+              const float y = __shfl_down_sync(~0u, x, o);
+              if (lane + o < 32) x += y;
+            }
+            float after = __shfl_down_sync(~0u, x, 1);  // the pairs after this lane's
+            if (lane == 31) after = 0.f;
+            if (warp == 0) {
+              dg[2 * lane + 1] = after + hi;
+              dg[2 * lane] = after + hi + lo;
+            }
+          }
+          if ((tid & 127) < 64) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
+        }
+        S.bar[s].arrive();
+        S.bar[s].wait(ph);
+      };
+      each_stage(stage, std::make_integer_sequence<int, kStages>{});
+    }
+  }
+}
+}  // namespace flashgdn::sm90::fused_bwd
