@@ -4,9 +4,11 @@ float64 with chosen intermediates rounded to bf16 (chunk_form_fused.STAGED), aga
 backward without rounding, on flashgdn_run's inputs (q, k normal and normalised, v and dO normal,
 all bf16; g = -A softplus(x + 1) with A = 0 on head 0, 16 U(0, 1) on the others; beta U(0, 1); h0,
 dht 0.1 normal). Prints each gradient's relative L2 error over all heads, as flashgdn_run --check
-prints them, per policy.
+prints them, per policy. --keys identical / alternating (one unit key for every token, or one key
+with alternating signs) and --beta b (every beta = b) give the degenerate inputs where a 16-bit
+inverse loses the gradient (bench/fused-backward.md, "Precision").
 
-    python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128]
+    python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B]
 """
 import argparse
 import os
@@ -28,16 +30,20 @@ POLICIES = {
     "the peer's, S0 fp32 and the carry's operands exact": set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg"},
     "as the last, and dVn, T diag(beta) exact (a `default` candidate)":
         set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg", "dVn", "Tb"},
+    "as the last, and Ar exact": set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg", "dVn", "Tb", "Ar"},
 }
 
 
-def head_inputs(rng, T, K, A):
+def head_inputs(rng, T, K, A, keys="normal", beta_value=None):
     def unit(x):
         return x / np.sqrt((x * x).sum(1, keepdims=True) + 1e-6)
     q, k = bf16(unit(rng.standard_normal((T, K)))), bf16(unit(rng.standard_normal((T, K))))
+    if keys != "normal":
+        sign = np.where(np.arange(T) % 2, -1.0, 1.0) if keys == "alternating" else np.ones(T)
+        k = np.repeat(k[:1], T, 0) * sign[:, None]
     v, do = bf16(rng.standard_normal((T, K))), bf16(rng.standard_normal((T, K)))
     g = -A * np.log1p(np.exp(rng.standard_normal(T) + 1.0))
-    beta = rng.uniform(0.0, 1.0, T)
+    beta = rng.uniform(0.0, 1.0, T) if beta_value is None else np.full(T, beta_value)
     s0, dht = 0.1 * rng.standard_normal((K, K)), 0.1 * rng.standard_normal((K, K))
     return q, k, v, g, beta, K ** -0.5, s0, do, dht
 
@@ -47,13 +53,16 @@ def main():
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--keys", choices=("normal", "identical", "alternating"), default="normal")
+    ap.add_argument("--beta", type=float, default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(2026)
     A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, a.heads - 1))
-    heads = [head_inputs(rng, a.T, a.K, A[h]) for h in range(a.heads)]
+    heads = [head_inputs(rng, a.T, a.K, A[h], a.keys, a.beta) for h in range(a.heads)]
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
     exact = [cf.backward(*x) for x in heads]
-    print(f"T {a.T}, {a.heads} heads, K = V = {a.K}; relative L2 error against the unrounded backward")
+    print(f"T {a.T}, {a.heads} heads, K = V = {a.K}, keys {a.keys}, beta {a.beta if a.beta is not None else 'U(0, 1)'}; "
+          "relative L2 error against the unrounded backward")
     print("| policy | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for label, points in POLICIES.items():
