@@ -64,6 +64,18 @@ __device__ __forceinline__ int64_t state_off(const ParamsT& P, const cuda::bwd::
   return P.state_v_first ? base + v * t.s2 + a : base + a * t.s2 + v;
 }
 
+// f(m, hf, e) for every element of the carry (row block m, column block hf, accumulator element e;
+// e by kStep), unrolled.
+template <int kStep = 1, class F>
+__device__ __forceinline__ void each_carry(F&& f) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int e = 0; e < 32; e += kStep) f(m, hf, e);
+}
+
 struct Params {
   // q, k ([rows, Hq, 128]) and v, dO ([rows, Hv, 128]): bf16 in slot layout (64 rows a chunk slot,
   // zero past the chunk's length; bwd_fused.cu's prep), as 4-D tile maps (sm90/tma.h: boxes of
@@ -203,21 +215,11 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
     const Descs dd = descs(S);
     const Frag fr = frag();
     float ds[2][2][32];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int e = 0; e < 32; ++e)
-          ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
+    each_carry([&](int m, int hf, int e) {
+      ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
+    });
     auto mirror = [&]() {  // dsm = bf16(dS)
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-          for (int e = 0; e < 32; e += 2)
-            fst2<128>(S.dsm, fr, e, ds[m][hf][e], ds[m][hf][e + 1], hf, m);
+      each_carry<2>([&](int m, int hf, int e) { fst2<128>(S.dsm, fr, e, ds[m][hf][e], ds[m][hf][e + 1], hf, m); });
     };
     mirror();  // dS at the sequence's end, before stage 1 of the first chunk reads it
     fence_proxy_async();
@@ -229,12 +231,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
       for (int s = 0; s < kStages; ++s) {
         if (s == 1) {  // decay: dS = e^{c_L} dS
           const float eL = fexp(S.c[63]);
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-              for (int e = 0; e < 32; ++e) ds[m][hf][e] *= eL;
+          each_carry([&](int m, int hf, int e) { ds[m][hf][e] *= eL; });
         }
         if (s == 4) {  // <dS, S0> for dg (dS already decayed: e^{c_L} <dS_in, S0>)
           float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains, not one of 128 dependent FMAs
@@ -273,14 +270,9 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
     }
     if (P.want_dh0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
       const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-          for (int e = 0; e < 32; ++e)
-            cuda::store_from_float(P.dh0.data, P.dh0.dtype, state_off(P, P.dh0, n_seq, h, m, hf, e),
-                                   keep ? ds[m][hf][e] : 0.f);
+      each_carry([&](int m, int hf, int e) {
+        cuda::store_from_float(P.dh0.data, P.dh0.dtype, state_off(P, P.dh0, n_seq, h, m, hf, e), keep ? ds[m][hf][e] : 0.f);
+      });
     }
   } else if (wg == 1) {  // ---- D: dVn, dR (dv), dK -------------------------------------------
     setmaxnreg_dec<112>();  // from the launch's 128: a decrease
