@@ -73,6 +73,23 @@ def test_no_decay_4096_tokens(device, l2norm):
     _vs_oracle(c, f"{device} g=0 T=4096")
 
 
+@pytest.mark.parametrize("keys", ["identical", "alternating"])
+@pytest.mark.parametrize("gates", ["none", "strong"])
+def test_repeated_keys(keys, gates):
+    """One key for every token (or alternating signs), beta 0.99: the chunk inverse's gradient
+    cancels (bench/fused-backward.md, "Precision": a 16-bit inverse loses it by the float64
+    emulation). The CPU backend (fp32 throughout) within the suite's bounds; the CUDA levels are
+    measured by bench/degenerate_keys.py (exp/fused-cp) before a GPU case joins here."""
+    c = make_case(lengths=[300, 70], Hq=1, Hv=2, K=64, V=64, dtype=torch.bfloat16, device="cpu", seed=5)
+    T = c.k.shape[1]
+    sign = torch.where(torch.arange(T) % 2 == 1, -1.0, 1.0) if keys == "alternating" else torch.ones(T)
+    c.k.copy_((sign[:, None] * c.k[0, 0, 0].float()[None, :]).to(c.k.dtype)[None, :, None, :])
+    c.beta.fill_(0.99)
+    if gates == "none":
+        c.g.zero_()
+    _vs_oracle(c, f"cpu {keys} keys, gates {gates}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["every_token", "half_the_tokens"])
 def test_gate_minus_1e4_is_a_reset(device, where):
