@@ -3,12 +3,13 @@
 //   2. qk_prep  qn, kn (fp32, slot layout), rq, rk             (chunk_bwd_prep.cu)
 //   3. prep     per (chunk, q/k head): K K^T once, then per value head c and beta and
 //               Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no gates; bf16 q,
-//               k, v, dO in slot layout (zero past the length)
+//               k in slot layout (zero past the length), and v, dO too on varlen calls (dense
+//               calls read the user's v, dO in place: FusedLayout::vo_direct)
 //   4. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0
 //   5. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
 //               order, the l2norm's backward, dv and dbeta to the user's tensors; then the gate
 //               step (chunk_bwd_reduce.cu) from dg.
-// Selected by chunk_bwd.cu (fused_backward_applies); its workspace: fused_workspace().
+// Selected by chunk_bwd.cu (fused_backward_applies); its workspace: fused_layout().
 #include "sm90/bwd_fused.h"
 
 #include <algorithm>
