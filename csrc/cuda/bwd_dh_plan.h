@@ -38,8 +38,12 @@ struct DhPlan {
   int32_t halves = 1;    // CTAs a chain's value rows are split over (segments == 1 only)
 };
 
-// sms: the device's multiprocessors (read only by an automatic split).
-inline DhPlan dh_plan_segments(const Problem& p, int sms) {
+// sms: the device's multiprocessors (read only by an automatic split). fused: the fused
+// backward's walk (sm90/bwd_fused.cu), whose phase 1 runs one CTA a segment after the first for
+// B_s and one for A_s where the gates do not certify it away: automatically its segments are as
+// many as let the B_s walks and an eighth more fill one wave (15 at 8 chains on 132 SMs: 112 B_s
+// walks and the A_s walks of one head without decay), not a second wave.
+inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
   DhPlan d;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
   const int64_t longest = (p.T + kDhChunk - 1) / kDhChunk;  // chunks, an upper bound
@@ -48,7 +52,8 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms) {
     d.chunks = std::max(kDhMinSegmentChunks, p.cp_segment / kDhChunk);
   } else {
     if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kDhMinSegments > sms) return d;
-    const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / std::max<int64_t>(chains, 1));
+    const int64_t c = std::max<int64_t>(chains, 1);
+    const int64_t per_chain = std::max<int64_t>(kDhMinSegments, fused ? 1 + (sms - sms / 8) / c : sms / c);
     d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);

@@ -188,6 +188,11 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
   B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);
   B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
+  B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);
+  B.maps = reinterpret_cast<float*>(f + F.off[F.kMaps]);
+  B.seeds = reinterpret_cast<float*>(f + F.off[F.kSeeds]);
+  B.seg_chunks = F.seg_chunks;
+  B.segments = F.segments;
   bwd::launch_bwd_fused(P, a, B, stream);
   P.dc = B.dg;
   P.dc_summed = 1;

@@ -5,7 +5,12 @@
 //               Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no gates; bf16 q,
 //               k in slot layout (zero past the length), and v, dO too on varlen calls (dense
 //               calls read the user's v, dO in place: FusedLayout::vo_direct)
-//   4. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0
+//   4. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
+//               under reverse CP (bwd_dh_plan.h's segments, when the chains are too few for the
+//               SMs) per segment: 4a. each segment's transfer dS -> A_s dS + B_s (two walks that
+//               write no gradient; A_s's not where the gates certify it negligible), 4b. the scan
+//               X = A_s X + B_s from dht, segment by segment, for the carry at each segment's
+//               end, 4c. every segment's walk from that carry
 //   5. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
 //               order, the l2norm's backward, dv and dbeta to the user's tensors; then the gate
 //               step (chunk_bwd_reduce.cu) from dg.
@@ -14,6 +19,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+
+#include "cuda/bwd_dh_plan.h"
 
 #include "sm90/bwd_fused_kernel.cuh"
 #include "sm90/bwd_tiles.cuh"
@@ -42,6 +49,7 @@ struct PrepSmem {
   float af[kC][sm90::kLdF];                    // A (its upper triangle: the inverse's scratch)
   float tf[kC][sm90::kLdF];                    // T = Ar
   float c[kC], beta[kC];
+  float knorm[kC];  // |k_t|^2 of the bf16 keys (K K^T's diagonal), for the CP certificate
 };
 
 // Row `row`'s 8 values at column 8 c8 as bf16 (zero past len) from a 16-bit token row.
@@ -78,6 +86,9 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
   tl::begin_products();
   tl::product_ss<bf16, 64, kD, 0>(kk, S.kr, S.kr, false);
   tl::finish(kk);
+#pragma unroll
+  for (int e = 0; e < 32; ++e)
+    if (ac.row(e) == ac.col(e)) S.knorm[ac.row(e)] = kk[0][e];
 
   const auto sync = [] { __syncthreads(); };
   for (int64_t g = 0; g < P.group; ++g) {
@@ -104,6 +115,12 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
       S.af[ac.row(e)][ac.col(e)] = ac.row(e) > ac.col(e) ? bi[tl::AccCoord::row_slot(e)] * kk[0][e] : 0.f;
     for (int e = tid; e < kC * sm90::kLdF; e += tl::kWarpgroup) (&S.tf[0][0])[e] = 0.f;
     sync();
+    if (tid < 32) {  // the certificate's bound (fk::transfer_negligible): c_L + sum_t log max(1, |1 - beta_t |k_t|^2|)
+      float l = 0.f;
+      for (int t = tid; t < kC; t += 32) l += logf(fmaxf(1.f, fabsf(1.f - S.beta[t] * S.knorm[t])));
+      l = warp_sum(l);
+      if (tid == 0) F.bound[u] = S.c[kC - 1] + l;
+    }
     sm90::invert_chunk<true>(S, tid >> 5, tid & 31, sync);
     uint8_t* tile = F.ar + u * fk::kSmall;
     for (int x = tid; x < kC * kC / 2; x += tl::kWarpgroup) {
@@ -166,6 +183,66 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
   }
 }
 
+// ---- 4b. the reverse CP scan ------------------------------------------------------------------
+// Per (sequence, value head, 8 columns of the carry): X = dht (0 without), then for the segments
+// s = last .. 1: X = A_s X + B_s (fp32), the carry at segment s - 1's end, to seeds[s - 1]. The
+// carry's columns evolve independently (every product of the walk multiplies dS from the left),
+// so 16 CTAs share a chain. A thread: one column, rows r0 + 32 j; A_s's rows padded to 132 floats
+// so that a warp's four consecutive rows are four float4s in distinct banks.
+constexpr int kScanCols = 8, kScanThreads = 256, kScanRows = kD * kScanCols / kScanThreads, kScanLd = kD + 4;
+struct ScanSmem {
+  float a[kD][kScanLd];
+  float x[kD][kScanCols];
+};
+
+__global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params K) {
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y, tid = threadIdx.x;
+  const int total = static_cast<int>(ceil_div(seq_info(K.seq, n).len, int64_t{kC}));
+  const int segs = (total + K.seg_chunks - 1) / K.seg_chunks;
+  if (segs <= 1) return;
+  auto& S = dynamic_smem_1024<ScanSmem>();
+  const int col = tid % kScanCols, v = blockIdx.z * kScanCols + col, r0 = tid / kScanCols;
+  const size_t chain = (size_t(n) * K.Hv + h) * K.segments;
+  float x[kScanRows];
+#pragma unroll
+  for (int j = 0; j < kScanRows; ++j) {
+    const int a = r0 + 32 * j;
+    const int64_t o = n * K.dht.s0 + h * K.dht.s1 + (K.state_v_first ? int64_t{v} * K.dht.s2 + a : int64_t{a} * K.dht.s2 + v);
+    x[j] = K.has_dht ? load_as_float(K.dht.data, K.dht.dtype, o) : 0.f;
+    S.x[a][col] = x[j];
+  }
+  const int u_first = static_cast<int>(chunk_slot(K.seq, n, 0, seq_info(K.seq, n).t0)) * K.Hv + h;
+  for (int s = segs - 1; s >= 1; --s) {
+    const float* Bm = K.cp_maps + (chain + s) * 2 * kD * kD;
+#pragma unroll
+    for (int j = 0; j < kScanRows; ++j) x[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
+    const int first = s * K.seg_chunks;
+    if (!fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv)) {
+      const float* A = K.cp_maps + ((chain + s) * 2 + 1) * kD * kD;
+      for (int j = tid; j < kD * kD / 4; j += kScanThreads)
+        *reinterpret_cast<float4*>(&S.a[j / (kD / 4)][4 * (j % (kD / 4))]) = __ldg(reinterpret_cast<const float4*>(A) + j);
+      __syncthreads();  // A_s and X in shared memory
+#pragma unroll 4
+      for (int k = 0; k < kD; k += 4) {
+        const float x0 = S.x[k][col], x1 = S.x[k + 1][col], x2 = S.x[k + 2][col], x3 = S.x[k + 3][col];
+#pragma unroll
+        for (int j = 0; j < kScanRows; ++j) {
+          const float4 a = *reinterpret_cast<const float4*>(&S.a[r0 + 32 * j][k]);
+          x[j] = fmaf(a.w, x3, fmaf(a.z, x2, fmaf(a.y, x1, fmaf(a.x, x0, x[j]))));
+        }
+      }
+    }
+    __syncthreads();  // every read of X and A_s done
+    float* seed = const_cast<float*>(K.cp_seeds) + (chain + s - 1) * kD * kD;
+#pragma unroll
+    for (int j = 0; j < kScanRows; ++j) {
+      S.x[r0 + 32 * j][col] = x[j];
+      seed[(r0 + 32 * j) * kD + v] = x[j];
+    }
+  }
+}
+
 // A 4-D tile map over a slot-layout bf16 buffer [rows, heads, 128] (sm90/tma.h's box).
 sm90::TileMap slot_map(const void* data, int64_t rows, int64_t heads) {
   fgdn_tensor t{};
@@ -191,6 +268,8 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
   const bool direct = !p.varlen && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
+  const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
+  const size_t cp = plan.segments > 1 ? static_cast<size_t>(p.N) * Hv * plan.segments * D * D * 4 : 0;
   const size_t sizes[FusedLayout::kCount] = {
       S * C * Hq * D * 4, S * C * Hq * D * 4,  // qn, kn
       S * C * Hq * 4, S * C * Hq * 4,          // rq, rk
@@ -200,9 +279,13 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       S * Hv * fk::kSmall,                     // ar
       S * Hv * 3 * fk::kTile,                  // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
+      S * Hv * 4,                              // bound
+      2 * cp, cp,                              // maps, seeds
   };
   FusedLayout L{};
   L.vo_direct = direct;
+  L.segments = plan.segments;
+  L.seg_chunks = plan.segments > 1 ? static_cast<int32_t>(plan.chunks) : 0;
   size_t o = 0;
   for (int i = 0; i < FusedLayout::kCount; ++i) {
     L.off[i] = o;
@@ -246,10 +329,26 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.has_state_indices = P.has_state_indices;
   K.idx_dtype = P.idx_dtype;
   K.scale = P.scale;
+  K.seg_chunks = F.seg_chunks;
+  K.segments = F.segments;
+  K.cp_maps = F.maps;
+  K.cp_seeds = F.seeds;
+  K.bound = F.bound;
   constexpr size_t kSmem = sizeof(fk::Smem) + 1024;
   set_dynamic_smem(fk::fused_bwd, kSmem);
-  if (P.N > 0 && P.Hv > 0) {  // a CTA a chain (sequences of no chunks too: their dh0 = d_final_state)
-    fk::fused_bwd<<<dim3(P.N, P.Hv), 512, kSmem, s>>>(K);
+  if (P.N > 0 && P.Hv > 0) {  // a CTA a chain or segment (sequences of no chunks too: dh0 = dht)
+    const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);
+    if (F.seg_chunks > 0) {
+      K.phase = 1;
+      fk::fused_bwd<<<dim3(N, Hv, 2 * F.segments), 512, kSmem, s>>>(K);
+      FGDN_CHECK_LAUNCH("bwd fused (CP transfers)");
+      constexpr size_t kScanSmem = dynamic_smem_1024_bytes<ScanSmem>();
+      set_dynamic_smem(fused_cp_scan_kernel, kScanSmem);
+      fused_cp_scan_kernel<<<dim3(N, Hv, kD / kScanCols), kScanThreads, kScanSmem, s>>>(K);
+      FGDN_CHECK_LAUNCH("bwd fused (CP scan)");
+    }
+    K.phase = 0;
+    fk::fused_bwd<<<dim3(N, Hv, F.segments), 512, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
   }
   if (slots > 0) {

@@ -19,10 +19,13 @@ bool fused_backward_applies(const Problem& p);
 // vo_direct: the kernel reads v and dO from the user's tensors (dense calls whose v and dO TMA
 // can address: a partial chunk only at T's end, where the map reads zeros); no copies then.
 struct FusedLayout {
-  enum { kQn, kKn, kRq, kRk, kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kCount };
+  enum { kQn, kKn, kRq, kRk, kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
+  // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
+  // (kMaps: 2 fp32 128 x 128 matrices) and the seed (kSeeds: one).
+  int32_t seg_chunks, segments;
 };
 FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a);
 
@@ -34,6 +37,9 @@ struct FusedBuffers {
   uint8_t* out;                           // [slot Hv + h][3]: dk, dv, dq tiles (bf16)
   float* dg;                              // [slot Hv + h][64] (P.dc: the gate step reads it)
   float* dbeta;                           // [slot Hv + h][64]
+  float* bound;                           // [slot Hv + h]: reverse CP's certificate (fused_bwd::Params)
+  float *maps, *seeds;                    // reverse CP (FusedLayout::kMaps, kSeeds)
+  int32_t seg_chunks, segments;
 };
 
 // Steps 2-5 of bwd_fused.cu over every chunk slot (P.slot0 = 0, P.slots = P.num_chunks), after the

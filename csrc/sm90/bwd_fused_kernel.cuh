@@ -53,15 +53,40 @@ struct alignas(1024) Smem {
 // tensor of sequence n, head h (fp32 | bf16 | fp16; [K][V] or V-major). The thread index comes
 // from a volatile instruction: recomputed where used, so ptxas does not keep 128 offsets across
 // the chunk loop from dS's load to dh0's store (it did, and spilled them).
+struct CarryAt {
+  int a, v;
+};
+__device__ __forceinline__ CarryAt carry_at(int m, int hf, int e) {
+  int tx;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  return {64 * m + 16 * ((tx >> 5) & 3) + ((tx & 31) >> 2) + 8 * ((e >> 1) & 1),
+          64 * hf + 8 * (e >> 2) + 2 * (tx & 3) + (e & 1)};
+}
 template <class ParamsT>
 __device__ __forceinline__ int64_t state_off(const ParamsT& P, const cuda::bwd::Tensor4& t, int64_t n, int h, int m,
                                              int hf, int e) {
-  int tx;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
-  const int64_t a = 64 * m + 16 * ((tx >> 5) & 3) + ((tx & 31) >> 2) + 8 * ((e >> 1) & 1);
-  const int64_t v = 64 * hf + 8 * (e >> 2) + 2 * (tx & 3) + (e & 1);
+  const CarryAt c = carry_at(m, hf, e);
   const int64_t base = n * t.s0 + h * t.s1;
-  return P.state_v_first ? base + v * t.s2 + a : base + a * t.s2 + v;
+  return P.state_v_first ? base + int64_t{c.v} * t.s2 + c.a : base + int64_t{c.a} * t.s2 + c.v;
+}
+// The carry's element as an offset into a fp32 [128][128] matrix (the CP transfers and seeds).
+__device__ __forceinline__ int carry_off(int m, int hf, int e) {
+  const CarryAt c = carry_at(m, hf, e);
+  return c.a * 128 + c.v;
+}
+
+// The reverse CP certificate. A segment's transfer A_s is the adjoint of the states' transfer
+// over its tokens, prod_t e^{g_t} (I - beta_t k_t k_t^T), of norm at most e^{sum_t g_t} prod_t
+// max(1, |1 - beta_t |k_t|^2|); bound[u] holds that bound's log for one chunk (the prep's:
+// c_L + sum_t log max(1, |1 - beta_t |k_t|^2|), from the keys the walk multiplies). Below e^-16
+// (the forward's kCertifyLogDecay: 1.1e-7 of the carry, four orders below a bf16 ulp) A_s X is
+// dropped: its walk is not run and the scan takes X = B_s. The kernel and the scan decide alike
+// (the same sum in the same order).
+constexpr float kTransferLogBound = -16.f;
+__device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
+  float s = 0.f;
+  for (int j = 0; j < chunks; ++j) s += bound[u0 + j * hv];
+  return s < kTransferLogBound;
 }
 
 // f(m, hf, e) for every element of the carry (row block m, column block hf, accumulator element e;
@@ -98,6 +123,19 @@ struct Params {
   int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
   int32_t vo_direct;  // tv, tdo map the user's v, dO (dense calls whose tensors TMA can address)
   float scale;
+  // Reverse context parallelism (bwd_fused.cu; 0: each CTA walks a whole sequence): a sequence's
+  // chunks in segments of seg_chunks, `segments` of them at most; gridDim.z counts them.
+  //   phase 1: z = 2 s + which, segment s >= 1 walked for its transfer dS_in -> A_s dS_in + B_s
+  //            only (no gradient written): which = 0 from dS = 0 with dO gives B_s, which = 1
+  //            from dS = I with dO = 0 gives A_s (the carry is affine in dS, linear in dO; K = V,
+  //            so I is a carry; not run where transfer_negligible); the final dS to
+  //            cp_maps[chain][s][which] (fp32 [128][128]).
+  //   phase 0: z = s, segment s walked from dht (the sequence's last segment) or from
+  //            cp_seeds[chain][s], the scan's dS at its end (bwd_fused.cu).
+  int32_t seg_chunks, segments, phase;
+  float* cp_maps;
+  const float* cp_seeds;
+  const float* bound;  // [slot Hv + h]: the certificate's log bound of a chunk (transfer_negligible)
 };
 
 
@@ -110,19 +148,45 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
   // (cuda/chunk_index.cuh), walked last to first.
   const int h = blockIdx.y;
   const int64_t n_seq = blockIdx.x;
-  // N chunks; unit rows (slot Hv + h) as 32-bit integers (the launcher checks the range). Each role
-  // computes them after its register allocation (chain()): values live across the roles' split
-  // were spilled.
-  int N, u0;
+  // Under reverse CP (P.seg_chunks > 0) the CTA walks segment `seg` of the chain (Params); a
+  // segment past the sequence's end, and phase 1's segment 0 (nothing is seeded from it), has no
+  // work. Segment 0 of phase 0 always runs: dh0 of a sequence of no chunks is d_final_state.
+  const int seg = P.phase ? blockIdx.z >> 1 : blockIdx.z;
+  const bool transfer = P.phase == 1;                       // phase 1: no gradient written
+  const bool zero_do = transfer && (blockIdx.z & 1) != 0;   // the A_s walk: dS = I, dO = 0
+  {
+    const cuda::SeqInfo si = cuda::seq_info(P.seq, n_seq);
+    const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
+    const int segs = P.seg_chunks > 0 ? (total + P.seg_chunks - 1) / P.seg_chunks : 1;
+    if (seg >= segs && (transfer || seg > 0)) return;
+    if (transfer && seg == 0) return;
+    if (zero_do) {  // A_s: not needed where the gates certify it negligible
+      const int first = P.seg_chunks * seg;
+      const int u = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, first, si.t0)) * P.Hv + h;
+      if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return;
+    }
+  }
+  // The walk: N chunks from chunk `first` of the sequence; unit rows (slot Hv + h) as 32-bit
+  // integers (the launcher checks the range); `from_dht`: it ends the sequence. Each role computes
+  // them after its register allocation (chain()): values live across the roles' split were spilled.
+  int N, u0, first;
+  bool from_dht;
   const auto chain = [&]() {
     const cuda::SeqInfo si = cuda::seq_info(P.seq, n_seq);
-    N = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
-    u0 = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, 0, si.t0)) * P.Hv + h;
+    const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
+    first = P.seg_chunks * seg;
+    N = P.seg_chunks > 0 ? min(total - first, P.seg_chunks) : total;
+    from_dht = first + N == total;
+    u0 = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, first, si.t0)) * P.Hv + h;
   };
   if (tid < kStages) S.bar[tid].init(384 + ((tid == 3 || tid == 9 || tid == 15) ? 32 : 0));
   if (tid == kStages) S.full0.init(1);
   if (tid == kStages + 1) S.full1.init(2);  // the bulk loads' arrival and warp 2's (c, beta)
   fence_barrier_init();
+  if (zero_do) {  // dO stays zero: the producer loads none
+    for (int j = tid; j < int(kTile / 16); j += 512) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+  }
   __syncthreads();
   // Chunks last to first: iteration i works on chunk n = N - 1 - i, slot f + n, unit row u(n).
   auto unit = [&](int n) { return u0 + n * P.Hv; };
@@ -145,7 +209,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
       // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
       // tensor's (batch row n, tokens from 64 (N - 1 - i): dense only, rows past T read as zeros).
       auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
-        const int row = direct ? (N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
+        const int row = direct ? (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
         const int b = direct ? static_cast<int>(n_seq) : 0;
 #pragma unroll
         for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
@@ -164,8 +228,8 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
             box(S.s0 + blk * 128 * 64 + half * 64 * 64, P.ts0, &S.full0, blk * 64, 0, row + 64 * half);
       };
       auto load1 = [&](int i) {
-        S.full1.arrive_expect_tx(kLoad1);
-        tile(S.dO, P.tdo, h, i, &S.full1, P.vo_direct);
+        S.full1.arrive_expect_tx(zero_do ? kSmall : kLoad1);
+        if (!zero_do) tile(S.dO, P.tdo, h, i, &S.full1, P.vo_direct);
         bulk_load(S.ar, P.ar + size_t(unit(N - 1 - i)) * kSmall, kSmall, &S.full1);
       };
       if (N > 0) {
@@ -194,7 +258,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
         for (int j = 0; j < 3; ++j) {
           S.bar[written[j]].wait(i & 1);
           // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
-          if (lane == 0 && (j > 0 || i > 0)) {
+          if (lane == 0 && (j > 0 || i > 0) && !transfer) {
             bulk_store(out_tile(j == 0 ? n + 1 : n, j), S.out, kTile);
             bulk_commit_group();
             bulk_wait_group_read<0>();
@@ -215,8 +279,18 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
     const Descs dd = descs(S);
     const Frag fr = frag();
     float ds[2][2][32];
+    // The carry at the walk's start: d_final_state (the sequence's end), the scan's seed (a
+    // segment before it), or phase 1's 0 or I.
+    const size_t chain_seg = (size_t(n_seq) * P.Hv + h) * P.segments + seg;
     each_carry([&](int m, int hf, int e) {
-      ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
+      if (transfer) {
+        const CarryAt c = carry_at(m, hf, e);
+        ds[m][hf][e] = zero_do && c.a == c.v ? 1.f : 0.f;
+      } else if (!from_dht) {
+        ds[m][hf][e] = P.cp_seeds[chain_seg * 16384 + carry_off(m, hf, e)];
+      } else {
+        ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
+      }
     });
     auto mirror = [&]() {  // dsm = bf16(dS)
       each_carry<2>([&](int m, int hf, int e) { fst2<128>(S.dsm, fr, e, ds[m][hf][e], ds[m][hf][e + 1], hf, m); });
@@ -268,7 +342,10 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
         S.bar[s].wait(ph);
       }
     }
-    if (P.want_dh0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
+    if (transfer) {  // A_s or B_s
+      float* map = P.cp_maps + (chain_seg * 2 + (zero_do ? 1 : 0)) * 16384;
+      each_carry([&](int m, int hf, int e) { map[carry_off(m, hf, e)] = ds[m][hf][e]; });
+    } else if (P.want_dh0 && seg == 0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
       const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;
       each_carry([&](int m, int hf, int e) {
         cuda::store_from_float(P.dh0.data, P.dh0.dtype, state_off(P, P.dh0, n_seq, h, m, hf, e), keep ? ds[m][hf][e] : 0.f);
@@ -407,7 +484,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
     emit(S.out);
     fence_proxy_async();
     role_sync(2);
-    if ((tid & 127) == 0 && N > 0) {
+    if ((tid & 127) == 0 && N > 0 && !transfer) {
       bulk_store(out_tile(0, 0), S.out, kTile);
       bulk_commit_group();
       bulk_wait_group<0>();
@@ -652,12 +729,12 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
             }
             float after = __shfl_down_sync(~0u, x, 1);  // the pairs after this lane's
             if (lane == 31) after = 0.f;
-            if (warp == 0) {
+            if (warp == 0 && !transfer) {
               dg[2 * lane + 1] = after + hi;
               dg[2 * lane] = after + hi + lo;
             }
           }
-          if ((tid & 127) < 64) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
+          if ((tid & 127) < 64 && !transfer) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
         }
         S.bar[s].arrive();
         S.bar[s].wait(ph);

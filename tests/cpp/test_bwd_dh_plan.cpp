@@ -116,6 +116,26 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
   }
 }
 
+// The fused backward's plan (sm90/bwd_fused.cu): its phase 1 walks segments 1 .. S - 1 for B_s
+// (and A_s where not certified), so those B_s walks and an eighth more fit one wave.
+TEST(BwdDhPlan, FusedTransfersFillOneWave) {
+  using flashgdn::cuda::bwd::dh_plan_segments;
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 8), kH100Sms, true).segments, 15);   // 2/8: 112 B_s walks
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 64), kH100Sms, true).segments, 1);   // 16/64: unsplit
+  std::mt19937_64 rng(20261129);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t N = 1 + static_cast<int64_t>(rng() % 16), Hv = 1 + static_cast<int64_t>(rng() % 64);
+    const int64_t T = 1 + static_cast<int64_t>(rng() % (1 << 20));
+    const int sms = 1 + static_cast<int>(rng() % 200);
+    const DhPlan d = dh_plan_segments(shape(N, T, Hv), sms, true);
+    const int64_t chunks = (T + 63) / 64;
+    if (d.segments == 1) continue;
+    ASSERT_GE(d.chunks * d.segments, chunks);
+    ASSERT_LT(d.chunks * (d.segments - 1), chunks);
+    ASSERT_LE(N * Hv * (d.segments - 1), sms - sms / 8) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+  }
+}
+
 // The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
 // four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
 // (the last one shorter) that cover every slot.

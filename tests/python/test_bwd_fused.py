@@ -38,10 +38,12 @@ def inputs_of(c, seed=7):
 
 
 def check_grads(c, gr, do, dht, ctx):
-    """Every gradient against the oracle within the suite's bounds; dA_log and ddt_bias (the token
-    sums that cancel, docs/reliability.md D1: `fast`'s staged backward exceeds 1.2e-2 on some seeds
-    too, up to 4.5e-2 on 10 seeds of H200, 2026-11-28) within the bound or 1.5x the staged
-    backward's error on the same inputs."""
+    """Every gradient against the oracle within the suite's bounds; dg, dA_log and ddt_bias (token
+    sums that cancel, docs/reliability.md D1) within the bound or 2x the staged backward's error on
+    the same inputs: `fast`'s staged backward exceeds 1.2e-2 on some seeds too (dA_log up to 4.5e-2
+    on 10 seeds; dg 1.4e-2 and 1.6e-2 on 2 of 16 seeds of dense 1x1024 4/4), and the two round
+    differently, not worse: the fused dg's error over the staged one's ranged 0.71-1.63, mean 1.0,
+    on those 16 seeds (H200, 2026-11-28)."""
     bounds = bounds_for(c.q.dtype)
     ref = oracle_backward(c, do, dht)
     staged = None
@@ -51,12 +53,12 @@ def check_grads(c, gr, do, dht, ctx):
             assert x is None, name
             continue
         bound = bounds[name]
-        if name in ("dA_log", "ddt_bias"):
+        if name in ("dg", "dA_log", "ddt_bias"):
             if staged is None:
                 os.environ["FLASHGDN_BWD_FUSED"] = "0"
                 staged = backward(c, do, dht)
                 os.environ["FLASHGDN_BWD_FUSED"] = "1"
-            bound = max(bound, 1.5 * _rel(to_f64(getattr(staged, name)), ref[name]))
+            bound = max(bound, 2.0 * _rel(to_f64(getattr(staged, name)), ref[name]))
         check(name, x, ref[name], c, bound, context=f"{ctx} seed={c.seed}")
 
 
@@ -111,3 +113,76 @@ def test_fused_same_bits():
     for name in GRADS:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None and y is None) or torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("layout", ["varlen", "dense"])
+def test_fused_reverse_cp(layout):
+    """The fused walk split into segments (cp_segment=1024: 16 chunks; bwd_fused.cu 4a-4c): the
+    transfers A_s, B_s, the scan and the segment walks, against the oracle and against the same call
+    unsplit (context_parallel=False), with the same bits on a second split call; automatic CP too.
+    Varlen: a 3000-token sequence in three segments (the last one partial), an empty one, one of
+    1100 tokens in two, short ones unsplit; one q/k head, two value heads (GVA). Dense: one
+    4096-token sequence (four segments), no gates' decay on one head (the exact transfer matters
+    most there)."""
+    if layout == "varlen":
+        c = make_case(Hq=1, Hv=2, K=128, V=128, lengths=[3000, 130, 0, 1100], device=DEV, l2norm=True,
+                      gate_in_kernel=True)
+    else:
+        c = make_case(B=1, T=4096, Hq=2, Hv=4, K=128, V=128, device=DEV, l2norm=True)
+        c.g[:, :, 0] = 0.0
+    do, dht = inputs_of(c)
+
+    def run(**cp):
+        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision="fast", **c.lowlevel_kwargs(),
+                                          **poisoned_grads(c), **cp)
+
+    off = run(context_parallel=False)
+    on = run(context_parallel=True, cp_segment=1024)
+    again = run(context_parallel=True, cp_segment=1024)
+    auto = run(context_parallel=None)
+    check_grads(c, on, do, dht, f"{layout} split")
+    check_grads(c, auto, do, dht, f"{layout} automatic")
+    ref = oracle_backward(c, do, dht)
+    for name in GRADS:
+        a, b, r = getattr(off, name), getattr(on, name), getattr(again, name)
+        if a is None:
+            continue
+        assert torch.equal(b, r), f"{name}: two split calls differ"
+        # The seeds (an fp32 scan of transfers walked with bf16 mirrors of dS, as the unsplit walk
+        # is) round differently from the unsplit carry, not worse: the split call's error against
+        # the oracle within 1.25x the unsplit call's. Not for dA_log and ddt_bias, per-head sums of
+        # dg over tokens that cancel (D1): a rounding change of dg's moves their error by factors
+        # (varlen: 1.3e-3 unsplit, 5.3e-3 split, dg's own errors equal; H200, 2026-11-28);
+        # check_grads holds them to their bound.
+        e_off, e_on = _rel(to_f64(a), ref[name]), _rel(to_f64(b), ref[name])
+        print(f"[cp] {name:8s} unsplit {e_off:.3e} split {e_on:.3e}")
+        if name not in ("dA_log", "ddt_bias"):
+            assert e_on <= 1.25 * e_off, f"{name}: split {e_on:.3e} against unsplit {e_off:.3e}"
+
+
+def test_fused_reverse_cp_certificate_reads_the_keys():
+    """The certificate that skips a segment's A_s (fused_bwd::transfer_negligible) bounds
+    |I - beta k k^T| by the keys the walk multiplies, not by the gates alone. Keys normalised before
+    the call (no in-kernel norm), two segments of 1024 tokens; in the second, gates that decay by
+    e^-20 (certified by the gates alone) and 40 tokens of one key with beta |k|^2 = 3, whose
+    transfer grows that key's direction by 2^40: A_1 is ~2e3 there, not negligible. dO is zero in
+    the second segment, so the first segment's gradients and dh0 come from A_1 dht alone: dropping
+    A_1 would change them wholly; with the keys read they match the unsplit call."""
+    c = make_case(B=1, T=2048, Hq=1, Hv=2, K=128, V=128, device=DEV, l2norm=False)
+    c.g[:, 1024:] = -20.0 / 1024
+    c.g[:, :1024] = -0.01
+    k0 = torch.nn.functional.normalize(torch.randn(128, device=DEV), dim=0)
+    c.k[:, 1500:1540] = (3.0 ** 0.5 * k0).to(c.k.dtype)
+    c.beta[:, 1500:1540] = 1.0
+    do, dht = inputs_of(c)
+    do[:, 1024:] = 0
+
+    def run(**cp):
+        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision="fast", **c.lowlevel_kwargs(), **cp)
+
+    off, on = run(context_parallel=False), run(context_parallel=True, cp_segment=1024)
+    for name, a, b in (("dh0", off.dh0, on.dh0), ("dq", off.dq[:, :1024], on.dq[:, :1024]),
+                       ("dk", off.dk[:, :1024], on.dk[:, :1024]), ("dv", off.dv[:, :1024], on.dv[:, :1024])):
+        a, b = a.double(), b.double()
+        rel = ((a - b).norm() / a.norm()).item()
+        assert torch.isfinite(a).all() and rel < 0.1, f"{name}: split against unsplit {rel:.2e}"
