@@ -186,6 +186,8 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.gates = reinterpret_cast<float*>(f + F.off[F.kGates]);
   B.ar = reinterpret_cast<uint8_t*>(f + F.off[F.kAr]);
   B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
+  B.dv_direct = F.dv_direct;
+  B.out_count = F.dv_direct ? 2 : 3;
   B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);
   B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
   B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);

@@ -12,7 +12,8 @@
 //               X = A_s X + B_s from dht, segment by segment, for the carry at each segment's
 //               end, 4c. every segment's walk from that carry
 //   5. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
-//               order, the l2norm's backward, dv and dbeta to the user's tensors; then the gate
+//               order, the l2norm's backward, dv (where the kernel did not store it in place:
+//               FusedLayout::dv_direct) and dbeta to the user's tensors; then the gate
 //               step (chunk_bwd_reduce.cu) from dg.
 // Selected by chunk_bwd.cu (fused_backward_applies); its workspace: fused_layout().
 #include "sm90/bwd_fused.h"
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
     for (int which = 0; which < 2; ++which) {  // 0: dq (tile 2), 1: dk (tile 0)
       float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int64_t g = 0; g < P.group; ++g) {
-        const float4 x = tile4(F.out + ((gc * P.Hv + hq * P.group + g) * 3 + (which == 0 ? 2 : 0)) * fk::kTile, i, lane);
+        const float4 x = tile4(F.out + ((gc * P.Hv + hq * P.group + g) * F.out_count + (which == 0 ? F.out_count - 1 : 0)) * fk::kTile, i, lane);
         d.x += x.x, d.y += x.y, d.z += x.z, d.w += x.w;
       }
       if (P.l2norm) {
@@ -174,8 +175,9 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
     }
     for (int64_t g = 0; g < P.group; ++g) {
       const int64_t h = hq * P.group + g, u = gc * P.Hv + h;
-      store4(static_cast<bf16*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0 + i, h) + 4 * lane,
-             tile4(F.out + (u * 3 + 1) * fk::kTile, i, lane));
+      if (!F.dv_direct)
+        store4(static_cast<bf16*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0 + i, h) + 4 * lane,
+               tile4(F.out + (u * 3 + 1) * fk::kTile, i, lane));
       if (lane == 0)
         store_from_float(P.dbeta.data, P.beta_dtype, ci.b * P.dbeta.s0 + (ci.t0 + i) * P.dbeta.s1 + h * P.dbeta.s2,
                          F.dbeta[u * kC + i]);
@@ -267,6 +269,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t S = static_cast<size_t>(num_chunk_slots(p)), C = kC, D = kD;
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
   const bool direct = !p.varlen && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
+  const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
   const size_t cp = plan.segments > 1 ? static_cast<size_t>(p.N) * Hv * plan.segments * D * D * 4 : 0;
@@ -277,13 +280,14 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       vo, vo,                                  // v16, do16
       S * Hv * 2 * C * 4,                      // gates
       S * Hv * fk::kSmall,                     // ar
-      S * Hv * 3 * fk::kTile,                  // out
+      S * Hv * (dv_direct ? 2 : 3) * fk::kTile,  // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
       2 * cp, cp,                              // maps, seeds
   };
   FusedLayout L{};
   L.vo_direct = direct;
+  L.dv_direct = dv_direct;
   L.segments = plan.segments;
   L.seg_chunks = plan.segments > 1 ? static_cast<int32_t>(plan.chunks) : 0;
   size_t o = 0;
@@ -312,6 +316,9 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.tv = K.vo_direct ? sm90::make_tile_map(a.in.v) : slot_map(F.v16, std::max<int64_t>(rows, 1), P.Hv);
   K.tdo = K.vo_direct ? sm90::make_tile_map(a.d_o) : slot_map(F.do16, std::max<int64_t>(rows, 1), P.Hv);
   K.ts0 = slot_map(P.h, (slots + 1) * P.Hv * kD, 1);  // bf16 h (states_in_bf16)
+  K.dv_direct = F.dv_direct;
+  K.out_count = F.out_count;
+  if (F.dv_direct) K.tdv = sm90::make_tile_map(a.dv);
   K.seq = P.seq;
   K.Hv = static_cast<int32_t>(P.Hv);
   K.group = static_cast<int32_t>(P.group);

@@ -23,6 +23,7 @@ struct FusedLayout {
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
+  bool dv_direct;  // vo_direct and TMA can address dv: the kernel writes dv in place (2 out tiles)
   // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
   // (kMaps: 2 fp32 128 x 128 matrices) and the seed (kSeeds: one).
   int32_t seg_chunks, segments;
@@ -34,7 +35,9 @@ struct FusedBuffers {
                                           // (v16, do16 null: vo_direct)
   float* gates;                           // [slot Hv + h][2][64]: c, beta
   uint8_t* ar;                            // [slot Hv + h]: Ar, a 64 x 64 bf16 tile
-  uint8_t* out;                           // [slot Hv + h][3]: dk, dv, dq tiles (bf16)
+  uint8_t* out;                           // [slot Hv + h][out_count]: dk, dv, dq tiles (bf16; dv not
+                                          // with dv_direct: the kernel stores it in place)
+  int32_t dv_direct, out_count;
   float* dg;                              // [slot Hv + h][64] (P.dc: the gate step reads it)
   float* dbeta;                           // [slot Hv + h][64]
   float* bound;                           // [slot Hv + h]: reverse CP's certificate (fused_bwd::Params)

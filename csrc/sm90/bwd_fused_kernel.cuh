@@ -113,7 +113,7 @@ struct Params {
   int32_t Hv, group;
   const uint8_t* ar;    // [slot Hv + h] 64 x 64 bf16 tiles of Ar (the shared layout)
   const float* gates;   // [slot Hv + h][2][64]: c, beta (c held and beta zero past the length)
-  uint8_t* out_tiles;   // [slot Hv + h][3] tiles: dk, dv, dq (bf16, the shared layout)
+  uint8_t* out_tiles;   // [slot Hv + h][out_count] tiles: dk, dv, dq (bf16, the shared layout; no dv: dv_direct)
   float* dg;            // [slot Hv + h][64]: dL/dg before the floor and the activation
   float* dbeta;         // [slot Hv + h][64]
   // d_final_state and dh0 as the library's state tensors (bwd::BwdParams; element (n, h, a, v)
@@ -122,6 +122,10 @@ struct Params {
   const void* state_indices;
   int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
   int32_t vo_direct;  // tv, tdo map the user's v, dO (dense calls whose tensors TMA can address)
+  // dv_direct (vo_direct calls whose dv TMA can address): dv tiles stored through tdv into the
+  // user's dv (rows past T not written), out_tiles then holds dk, dq only: out_count 2, else 3.
+  TileMap tdv;
+  int32_t dv_direct, out_count;
   float scale;
   // Reverse context parallelism (bwd_fused.cu; 0: each CTA walks a whole sequence): a sequence's
   // chunks in segments of seg_chunks, `segments` of them at most; gridDim.z counts them.
@@ -191,7 +195,9 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
   // Chunks last to first: iteration i works on chunk n = N - 1 - i, slot f + n, unit row u(n).
   auto unit = [&](int n) { return u0 + n * P.Hv; };
   auto gv = [&](int i) { return P.gates + size_t(unit(N - 1 - i)) * 128; };
-  auto out_tile = [&](int n, int j) { return P.out_tiles + (size_t(unit(n)) * 3 + j) * kTile; };
+  auto out_tile = [&](int n, int j) {  // j: 0 dk, 1 dv, 2 dq (slot 1 without dv)
+    return P.out_tiles + (size_t(unit(n)) * P.out_count + (j == 2 ? P.out_count - 1 : j)) * kTile;
+  };
 
   if (wg == 3) {  // ---- producer: loads (warp 0), stores (warp 1) ----------------------------
     setmaxnreg_dec<32>();
@@ -259,7 +265,16 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
           S.bar[written[j]].wait(i & 1);
           // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
           if (lane == 0 && (j > 0 || i > 0) && !transfer) {
-            bulk_store(out_tile(j == 0 ? n + 1 : n, j), S.out, kTile);
+            if (j == 1 && P.dv_direct) {  // dv into the user's tensor: batch row n_seq, tokens from 64 (first + n)
+              const TileMapOrder& o = P.tdv.order;
+              const int row = (first + n) * 64, b = static_cast<int>(n_seq);
+#pragma unroll
+              for (int blk = 0; blk < 2; ++blk)
+                tma_store_4d(&P.tdv.map, S.out + blk * 64 * 64, blk * 64, o.at(1, h, row, b), o.at(2, h, row, b),
+                             o.at(3, h, row, b));
+            } else {
+              bulk_store(out_tile(j == 0 ? n + 1 : n, j), S.out, kTile);
+            }
             bulk_commit_group();
             bulk_wait_group_read<0>();
           }

@@ -186,3 +186,4 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
         a, b = a.double(), b.double()
         rel = ((a - b).norm() / a.norm()).item()
         assert torch.isfinite(a).all() and rel < 0.1, f"{name}: split against unsplit {rel:.2e}"
+
