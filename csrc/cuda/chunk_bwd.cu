@@ -174,10 +174,6 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
     bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
   P.slot0 = 0;
   P.slots = P.num_chunks;
-  P.qn = reinterpret_cast<float*>(f + F.off[F.kQn]);
-  P.kn = reinterpret_cast<float*>(f + F.off[F.kKn]);
-  P.rq = reinterpret_cast<float*>(f + F.off[F.kRq]);
-  P.rk = reinterpret_cast<float*>(f + F.off[F.kRk]);
   bwd::FusedBuffers B{};
   B.q16 = reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kQ16]);
   B.k16 = reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kK16]);

@@ -1,20 +1,20 @@
 // Backward at `fast` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128, bf16:
 //   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu, as the staged chain)
-//   2. qk_prep  qn, kn (fp32, slot layout), rq, rk             (chunk_bwd_prep.cu)
-//   3. prep     per (chunk, q/k head): K K^T once, then per value head c and beta and
-//               Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no gates; bf16 q,
-//               k in slot layout (zero past the length), and v, dO too on varlen calls (dense
-//               calls read the user's v, dO in place: FusedLayout::vo_direct)
-//   4. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
+//   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
+//               bf16 in slot layout (zero past the length), K K^T once, then per value head c
+//               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
+//               gates; v, dO too on varlen calls (dense calls read the user's v, dO in place:
+//               FusedLayout::vo_direct)
+//   3. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
 //               under reverse CP (bwd_dh_plan.h's segments, when the chains are too few for the
-//               SMs) per segment: 4a. each segment's transfer dS -> A_s dS + B_s (two walks that
-//               write no gradient; A_s's not where the gates certify it negligible), 4b. the scan
+//               SMs) per segment: 3a. each segment's transfer dS -> A_s dS + B_s (two walks that
+//               write no gradient; A_s's not where the gates certify it negligible), 3b. the scan
 //               X = A_s X + B_s from dht, segment by segment, for the carry at each segment's
-//               end, 4c. every segment's walk from that carry
-//   5. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
-//               order, the l2norm's backward, dv (where the kernel did not store it in place:
-//               FusedLayout::dv_direct) and dbeta to the user's tensors; then the gate
-//               step (chunk_bwd_reduce.cu) from dg.
+//               end, 3c. every segment's walk from that carry
+//   4. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
+//               order, the l2norm's backward (1 / ||x|| recomputed), dv (where the kernel did
+//               not store it in place: FusedLayout::dv_direct) and dbeta to the user's tensors;
+//               then the gate step (chunk_bwd_reduce.cu) from dg.
 // Selected by chunk_bwd.cu (fused_backward_applies); its workspace: fused_layout().
 #include "sm90/bwd_fused.h"
 
@@ -39,9 +39,19 @@ constexpr int kD = 128;
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
-// ---- 3. prep --------------------------------------------------------------------------------
-// One warpgroup per (chunk slot, q/k head): the keys staged once as a bf16 tile (the values the
-// fused kernel multiplies), K K^T on wgmma (fp32 accumulation), then for each value head of the
+// 1 / ||x|| of a token row of q or k (128 bf16 values) by a warp, summed as qk_prep sums it
+// (chunk_bwd_prep.cu: element lane + 32 u a lane), so the staged and the fused backward scale by
+// the same bits: the prep's l2norm and the reduce's backward of it.
+__device__ __forceinline__ float row_rnorm(const bf16* x, int lane) {
+  float v[kD / 32];
+#pragma unroll
+  for (int u = 0; u < kD / 32; ++u) v[u] = __bfloat162float(x[lane + 32 * u]);
+  return warp_l2norm_rnorm(v);
+}
+
+// ---- 2. prep --------------------------------------------------------------------------------
+// One warpgroup per (chunk slot, q/k head): q and k normalised (l2norm) and rounded to bf16, the
+// keys staged once as a bf16 tile (the values the fused kernel multiplies), K K^T on wgmma (fp32 accumulation), then for each value head of the
 // group: c and beta (scan_chunk_gates), A = strict_lower(diag(beta) K K^T) and its inverse by the
 // forward's blocked inverse (fwd_inverse.cuh, TF32 split products), Ar to a swizzled tile; and
 // the rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length.
@@ -50,17 +60,24 @@ struct PrepSmem {
   float af[kC][sm90::kLdF];                    // A (its upper triangle: the inverse's scratch)
   float tf[kC][sm90::kLdF];                    // T = Ar
   float c[kC], beta[kC];
-  float knorm[kC];  // |k_t|^2 of the bf16 keys (K K^T's diagonal), for the CP certificate
+  float knorm[kC];     // |k_t|^2 of the bf16 keys (K K^T's diagonal), for the CP certificate
+  float sq[kC], sk[kC];  // each row's scale: 1 / ||x|| with the in-kernel l2norm, else 1
 };
 
 // Row `row`'s 8 values at column 8 c8 as bf16 (zero past len) from a 16-bit token row.
 __device__ __forceinline__ uint4 row8(const bf16* base, int row, int len, int c8) {
   return row < len ? __ldg(reinterpret_cast<const uint4*>(base) + c8) : make_uint4(0, 0, 0, 0);
 }
-__device__ __forceinline__ uint4 pack8(const float* x) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(x)), b = __ldg(reinterpret_cast<const float4*>(x) + 1);
-  return make_uint4(cuda::pack2<bf16>(a.x, a.y), cuda::pack2<bf16>(a.z, a.w), cuda::pack2<bf16>(b.x, b.y),
-                    cuda::pack2<bf16>(b.z, b.w));
+// 8 bf16 values times s, rounded to bf16 (bf16(x s): qk_prep's fp32 x s, then the rounding).
+__device__ __forceinline__ uint4 scale8(uint4 x, float s) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = sm90::unpack2<bf16>(w[i]);
+    o[i] = cuda::pack2<bf16>(f.x * s, f.y * s);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P, FusedBuffers F) {
@@ -71,15 +88,26 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
   const int tid = threadIdx.x, len = ci.len;
   const tl::AccCoord ac(tid);
   constexpr int kGroups = kC * kD / 8;  // 8-value groups of a 64 x 128 tile
+  const bf16* q = static_cast<const bf16*>(P.q.data);
+  const bf16* k = static_cast<const bf16*>(P.k.data);
+  auto q_row = [&](int i) { return q + tok_off(P.q, ci.b, ci.t0 + i, hq); };
+  auto k_row = [&](int i) { return k + tok_off(P.k, ci.b, ci.t0 + i, hq); };
 
-  // K (from kn: zero past the length) to the tile and to k16; Q to q16.
+  // Each row's scale, a warp 16 rows.
+  for (int i = tid >> 5; i < kC; i += tl::kWarpgroup / 32) {
+    float sq = 1.f, sk = 1.f;
+    if (P.l2norm && i < len) sq = row_rnorm(q_row(i), tid & 31), sk = row_rnorm(k_row(i), tid & 31);
+    if ((tid & 31) == 0) S.sq[i] = sq, S.sk[i] = sk;
+  }
+  __syncthreads();
+  // K (zero past the length) to the tile and to k16; Q to q16.
   for (int x = tid; x < kGroups; x += tl::kWarpgroup) {
     const int row = x / (kD / 8), c8 = x % (kD / 8);
     const int64_t qk = qk_row(P, gc, row, hq);
-    const uint4 kv = pack8(P.kn + qk * kD + 8 * c8);
+    const uint4 kv = scale8(row8(k_row(row), row, len, c8), S.sk[row]);
     tl::put8(S.kr, tl::kTile64, row, c8, kv);
     reinterpret_cast<uint4*>(F.k16 + qk * kD)[c8] = kv;
-    reinterpret_cast<uint4*>(F.q16 + qk * kD)[c8] = pack8(P.qn + qk * kD + 8 * c8);
+    reinterpret_cast<uint4*>(F.q16 + qk * kD)[c8] = scale8(row8(q_row(row), row, len, c8), S.sq[row]);
   }
   sm90::fence_proxy_async();  // the tile, written by ordinary stores, is read by wgmma
   __syncthreads();
@@ -156,16 +184,19 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
   if (!locate_chunk(P.seq, gc, ci)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = warp; i < ci.len; i += kThreads / 32) {
-    const int64_t row = qk_row(P, gc, i, hq);
     for (int which = 0; which < 2; ++which) {  // 0: dq (tile 2), 1: dk (tile 0)
       float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int64_t g = 0; g < P.group; ++g) {
         const float4 x = tile4(F.out + ((gc * P.Hv + hq * P.group + g) * F.out_count + (which == 0 ? F.out_count - 1 : 0)) * fk::kTile, i, lane);
         d.x += x.x, d.y += x.y, d.z += x.z, d.w += x.w;
       }
-      if (P.l2norm) {
-        const float4 xn = __ldg(reinterpret_cast<const float4*>((which == 0 ? P.qn : P.kn) + row * kD) + lane);
-        const float rn = (which == 0 ? P.rq : P.rk)[row];
+      if (P.l2norm) {  // x^ = x / ||x||, as the prep scaled it
+        const Tensor4& xt = which == 0 ? P.q : P.k;
+        const bf16* x = static_cast<const bf16*>(xt.data) + tok_off(xt, ci.b, ci.t0 + i, hq);
+        const float rn = row_rnorm(x, lane);
+        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x) + lane);
+        const float2 x01 = sm90::unpack2<bf16>(raw.x), x23 = sm90::unpack2<bf16>(raw.y);
+        const float4 xn = make_float4(x01.x * rn, x01.y * rn, x23.x * rn, x23.y * rn);
         const float dot = warp_sum(xn.x * d.x + xn.y * d.y + xn.z * d.z + xn.w * d.w);
         d = make_float4(rn * (d.x - xn.x * dot), rn * (d.y - xn.y * dot), rn * (d.z - xn.z * dot),
                         rn * (d.w - xn.w * dot));
@@ -274,8 +305,6 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
   const size_t cp = plan.segments > 1 ? static_cast<size_t>(p.N) * Hv * plan.segments * D * D * 4 : 0;
   const size_t sizes[FusedLayout::kCount] = {
-      S * C * Hq * D * 4, S * C * Hq * D * 4,  // qn, kn
-      S * C * Hq * 4, S * C * Hq * 4,          // rq, rk
       S * C * Hq * D * 2, S * C * Hq * D * 2,  // q16, k16
       vo, vo,                                  // v16, do16
       S * Hv * 2 * C * 4,                      // gates
@@ -302,7 +331,6 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
 void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuffers& F, cudaStream_t s) {
   const int64_t slots = P.num_chunks;
   if (slots > 0) {
-    launch_bwd_qk_prep(P, s);
     constexpr size_t kPrepSmem = dynamic_smem_1024_bytes<PrepSmem>();
     set_dynamic_smem(fused_prep_kernel, kPrepSmem);
     fused_prep_kernel<<<dim3(slots, P.Hq), tl::kWarpgroup, kPrepSmem, s>>>(P, F);

@@ -19,7 +19,7 @@ bool fused_backward_applies(const Problem& p);
 // vo_direct: the kernel reads v and dO from the user's tensors (dense calls whose v and dO TMA
 // can address: a partial chunk only at T's end, where the map reads zeros); no copies then.
 struct FusedLayout {
-  enum { kQn, kKn, kRq, kRk, kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
+  enum { kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
@@ -45,7 +45,7 @@ struct FusedBuffers {
   int32_t seg_chunks, segments;
 };
 
-// Steps 2-5 of bwd_fused.cu over every chunk slot (P.slot0 = 0, P.slots = P.num_chunks), after the
+// Steps 2-4 of bwd_fused.cu over every chunk slot (P.slot0 = 0, P.slots = P.num_chunks), after the
 // states pass; the gate step and the head sums follow (chunk_bwd.cu).
 void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuffers& F, cudaStream_t s);
 
