@@ -375,7 +375,7 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
     const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);
     if (F.seg_chunks > 0) {
       K.phase = 1;
-      fk::fused_bwd<<<dim3(N, Hv, 2 * F.segments), 512, kSmem, s>>>(K);
+      fk::fused_bwd<<<dim3(N, Hv, 2 * F.segments), fk::kThreads, kSmem, s>>>(K);
       FGDN_CHECK_LAUNCH("bwd fused (CP transfers)");
       constexpr size_t kScanSmem = dynamic_smem_1024_bytes<ScanSmem>();
       set_dynamic_smem(fused_cp_scan_kernel, kScanSmem);
@@ -383,7 +383,7 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
       FGDN_CHECK_LAUNCH("bwd fused (CP scan)");
     }
     K.phase = 0;
-    fk::fused_bwd<<<dim3(N, Hv, F.segments), 512, kSmem, s>>>(K);
+    fk::fused_bwd<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
   }
   if (slots > 0) {

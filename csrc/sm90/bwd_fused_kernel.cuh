@@ -10,6 +10,7 @@
 //   R (warpgroup 2): the recompute of P, Tb, K S0, R, Vn and dP, dQ, dAr, X, dA, dbeta, dg.
 // Inputs are prepared by bwd_fused.cu (slot-layout bf16 q, k, v, dO; c, beta; the gate-free inverse
 // Ar = (I + strict_lower(diag(beta) K K^T))^-1); outputs go to its workspace for the reduce step.
+// Its parameters: bwd_fused_params.h; which chunks a CTA walks: bwd_fused_scheduler.cuh.
 #pragma once
 
 #include <cuda.h>
@@ -21,6 +22,8 @@
 
 #include "cuda/chunk_bwd_internal.cuh"
 #include "sm90/bwd_fused_frag.cuh"
+#include "sm90/bwd_fused_params.h"
+#include "sm90/bwd_fused_scheduler.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/tma.h"
 #include "sm90/wgmma.cuh"
@@ -28,6 +31,22 @@
 namespace flashgdn::sm90::fused_bwd {
 
 constexpr int kStages = 16;
+// The CTA: warpgroups 0-2 compute (C, D, R), warpgroup 3 is the producer.
+constexpr int kWarpgroupThreads = 128, kComputeWarpgroups = 3, kThreads = 4 * kWarpgroupThreads;
+// The producer's store warp ships `out` three times a chunk, j = 0, 1, 2 (dK of the chunk after,
+// dv, dq): after stage out_written(j) and before stage out_freed(j) + 1 writes it again, so it
+// arrives on those stages' barriers too.
+__host__ __device__ constexpr int out_written(int j) { return j == 0 ? 0 : (j == 1 ? 4 : 10); }
+__host__ __device__ constexpr int out_freed(int j) { return j == 0 ? 3 : (j == 1 ? 9 : 15); }
+__host__ __device__ constexpr bool frees_out(int s) { return s == out_freed(0) || s == out_freed(1) || s == out_freed(2); }
+// Stage s's barrier: every compute thread, and the store warp where stage s frees `out`.
+__host__ __device__ constexpr uint32_t stage_arrivals(int s) {
+  return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? 32 : 0);
+}
+// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
+constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2;
+// Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
+constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kTile = 64 * 128 * 2;   // a 64 x 128 bf16 tile: 16 KB
 constexpr uint32_t kState = 128 * 128 * 2;  // 32 KB
 constexpr uint32_t kSmall = 64 * 64 * 2;    // 8 KB
@@ -75,20 +94,6 @@ __device__ __forceinline__ int carry_off(int m, int hf, int e) {
   return c.a * 128 + c.v;
 }
 
-// The reverse CP certificate. A segment's transfer A_s is the adjoint of the states' transfer
-// over its tokens, prod_t e^{g_t} (I - beta_t k_t k_t^T), of norm at most e^{sum_t g_t} prod_t
-// max(1, |1 - beta_t |k_t|^2|); bound[u] holds that bound's log for one chunk (the prep's:
-// c_L + sum_t log max(1, |1 - beta_t |k_t|^2|), from the keys the walk multiplies). Below e^-16
-// (the forward's kCertifyLogDecay: 1.1e-7 of the carry, four orders below a bf16 ulp) A_s X is
-// dropped: its walk is not run and the scan takes X = B_s. The kernel and the scan decide alike
-// (the same sum in the same order).
-constexpr float kTransferLogBound = -16.f;
-__device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
-  float s = 0.f;
-  for (int j = 0; j < chunks; ++j) s += bound[u0 + j * hv];
-  return s < kTransferLogBound;
-}
-
 // f(m, hf, e) for every element of the carry (row block m, column block hf, accumulator element e;
 // e by kStep), unrolled.
 template <int kStep = 1, class F>
@@ -101,49 +106,9 @@ __device__ __forceinline__ void each_carry(F&& f) {
       for (int e = 0; e < 32; e += kStep) f(m, hf, e);
 }
 
-struct Params {
-  // q, k ([rows, Hq, 128]) and v, dO ([rows, Hv, 128]): bf16 in slot layout (64 rows a chunk slot,
-  // zero past the chunk's length; bwd_fused.cu's prep), as 4-D tile maps (sm90/tma.h: boxes of
-  // 64 x 1 x 64 x 1, the 128-byte swizzle); v, dO the user's [B, T, Hv, 128] where vo_direct.
-  TileMap tq, tk, tv, tdo;
-  // S0: the states pass's bf16 h ([(slots + 1) Hv 128 rows][128], [K][V] a unit) as a one-head
-  // tile map: four boxes of 64 rows x 64 columns a state.
-  TileMap ts0;
-  cuda::SeqLayout seq;
-  int32_t Hv, group;
-  const uint8_t* ar;    // [slot Hv + h] 64 x 64 bf16 tiles of Ar (the shared layout)
-  const float* gates;   // [slot Hv + h][2][64]: c, beta (c held and beta zero past the length)
-  uint8_t* out_tiles;   // [slot Hv + h][out_count] tiles: dk, dv, dq (bf16, the shared layout; no dv: dv_direct)
-  float* dg;            // [slot Hv + h][64]: dL/dg before the floor and the activation
-  float* dbeta;         // [slot Hv + h][64]
-  // d_final_state and dh0 as the library's state tensors (bwd::BwdParams; element (n, h, a, v)
-  // at n s0 + h s1 + a s2 + v, or v s2 + a where state_v_first), fp32 | bf16 | fp16.
-  cuda::bwd::Tensor4 dht, dh0;
-  const void* state_indices;
-  int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
-  int32_t vo_direct;  // tv, tdo map the user's v, dO (dense calls whose tensors TMA can address)
-  // dv_direct (vo_direct calls whose dv TMA can address): dv tiles stored through tdv into the
-  // user's dv (rows past T not written), out_tiles then holds dk, dq only: out_count 2, else 3.
-  TileMap tdv;
-  int32_t dv_direct, out_count;
-  float scale;
-  // Reverse context parallelism (bwd_fused.cu; 0: each CTA walks a whole sequence): a sequence's
-  // chunks in segments of seg_chunks, `segments` of them at most; gridDim.z counts them.
-  //   phase 1: z = 2 s + which, segment s >= 1 walked for its transfer dS_in -> A_s dS_in + B_s
-  //            only (no gradient written): which = 0 from dS = 0 with dO gives B_s, which = 1
-  //            from dS = I with dO = 0 gives A_s (the carry is affine in dS, linear in dO; K = V,
-  //            so I is a carry; not run where transfer_negligible); the final dS to
-  //            cp_maps[chain][s][which] (fp32 [128][128]).
-  //   phase 0: z = s, segment s walked from dht (the sequence's last segment) or from
-  //            cp_seeds[chain][s], the scan's dS at its end (bwd_fused.cu).
-  int32_t seg_chunks, segments, phase;
-  float* cp_maps;
-  const float* cp_seeds;
-  const float* bound;  // [slot Hv + h]: the certificate's log bound of a chunk (transfer_negligible)
-};
 
 
-__global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Params P) {
+__global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
   extern __shared__ __align__(16) uint8_t raw[];
   const uint32_t at = smem_addr(raw);
   Smem& S = *reinterpret_cast<Smem*>(raw + ((1024u - (at & 1023u)) & 1023u));
@@ -152,43 +117,29 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
   // (cuda/chunk_index.cuh), walked last to first.
   const int h = blockIdx.y;
   const int64_t n_seq = blockIdx.x;
-  // Under reverse CP (P.seg_chunks > 0) the CTA walks segment `seg` of the chain (Params); a
-  // segment past the sequence's end, and phase 1's segment 0 (nothing is seeded from it), has no
-  // work. Segment 0 of phase 0 always runs: dh0 of a sequence of no chunks is d_final_state.
+  // Under reverse CP (P.seg_chunks > 0) the CTA walks segment `seg` of the chain (Params).
   const int seg = P.phase ? blockIdx.z >> 1 : blockIdx.z;
   const bool transfer = P.phase == 1;                       // phase 1: no gradient written
   const bool zero_do = transfer && (blockIdx.z & 1) != 0;   // the A_s walk: dS = I, dO = 0
-  {
-    const cuda::SeqInfo si = cuda::seq_info(P.seq, n_seq);
-    const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
-    const int segs = P.seg_chunks > 0 ? (total + P.seg_chunks - 1) / P.seg_chunks : 1;
-    if (seg >= segs && (transfer || seg > 0)) return;
-    if (transfer && seg == 0) return;
-    if (zero_do) {  // A_s: not needed where the gates certify it negligible
-      const int first = P.seg_chunks * seg;
-      const int u = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, first, si.t0)) * P.Hv + h;
-      if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return;
-    }
-  }
-  // The walk: N chunks from chunk `first` of the sequence; unit rows (slot Hv + h) as 32-bit
-  // integers (the launcher checks the range); `from_dht`: it ends the sequence. Each role computes
-  // them after its register allocation (chain()): values live across the roles' split were spilled.
+  if (!walk_has_work(P, n_seq, h, seg, transfer, zero_do)) return;
+  // The walk (bwd_fused_scheduler.cuh): N chunks from chunk `first`, unit rows from u0. Each role
+  // takes them after its register allocation (chain()): values live across the roles' split were
+  // spilled.
   int N, u0, first;
   bool from_dht;
   const auto chain = [&]() {
-    const cuda::SeqInfo si = cuda::seq_info(P.seq, n_seq);
-    const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
-    first = P.seg_chunks * seg;
-    N = P.seg_chunks > 0 ? min(total - first, P.seg_chunks) : total;
-    from_dht = first + N == total;
-    u0 = static_cast<int>(cuda::chunk_slot(P.seq, n_seq, first, si.t0)) * P.Hv + h;
+    const Walk w = walk_of(P, n_seq, h, seg);
+    N = w.chunks;
+    u0 = w.u0;
+    first = w.first;
+    from_dht = w.from_dht;
   };
-  if (tid < kStages) S.bar[tid].init(384 + ((tid == 3 || tid == 9 || tid == 15) ? 32 : 0));
-  if (tid == kStages) S.full0.init(1);
-  if (tid == kStages + 1) S.full1.init(2);  // the bulk loads' arrival and warp 2's (c, beta)
+  if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
+  if (tid == kStages) S.full0.init(kFull0Arrivals);
+  if (tid == kStages + 1) S.full1.init(kFull1Arrivals);
   fence_barrier_init();
   if (zero_do) {  // dO stays zero: the producer loads none
-    for (int j = tid; j < int(kTile / 16); j += 512) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
+    for (int j = tid; j < int(kTile / 16); j += kThreads) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
     fence_proxy_async();
   }
   __syncthreads();
@@ -257,12 +208,11 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
         if (lane == 0) S.full1.arrive();
       }
     } else if (warp == 1) {
-      const int written[3] = {0, 4, 10}, freed[3] = {3, 9, 15};
       for (int i = 0; i < N; ++i) {
         const int n = N - 1 - i;
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
-          S.bar[written[j]].wait(i & 1);
+          S.bar[out_written(j)].wait(i & 1);
           // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
           if (lane == 0 && (j > 0 || i > 0) && !transfer) {
             if (j == 1 && P.dv_direct) {  // dv into the user's tensor: batch row n_seq, tokens from 64 (first + n)
@@ -279,7 +229,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
             bulk_wait_group_read<0>();
           }
           __syncwarp();
-          S.bar[freed[j]].arrive();
+          S.bar[out_freed(j)].arrive();
         }
       }
       if (lane == 0) bulk_wait_group<0>();
@@ -467,7 +417,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
           }
           tot = octet_sum(tot);  // the warp's 16 rows (each row's sum counted once: lanes q = 0 .. 3 hold it)
           if (lane == 0) S.kt_part[warp] = tot;
-          role_sync(2);
+          role_sync(kBarD);
           if ((tid & 127) == 0) S.dc_D[63] += S.kt_part[0] + S.kt_part[1] + S.kt_part[2] + S.kt_part[3];
         }
         if (s == 9)  // P11: dK += dVg S0^T
@@ -498,7 +448,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
     // The epilogue: the walk's last chunk (chunk 0) dK, once the store warp is done with out.
     emit(S.out);
     fence_proxy_async();
-    role_sync(2);
+    role_sync(kBarD);
     if ((tid & 127) == 0 && N > 0 && !transfer) {
       bulk_store(out_tile(0, 0), S.out, kTile);
       bulk_commit_group();
@@ -569,7 +519,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
                         false);
           mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          false);
-          role_sync(1);  // every R warp has read dVn from t21 before it becomes Vn
+          role_sync(kBarR);  // every R warp has read dVn from t21 before it becomes Vn
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -632,7 +582,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
             rs[j] = quad_sum(rs[j]);
             if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
           }
-          role_sync(1);  // column partials written
+          role_sync(kBarR);  // column partials written
           if ((tid & 127) < 64) {
             const int col = tid & 127;
             S.dc_R[col] += colpart[0][col] + colpart[1][col] + colpart[2][col] + colpart[3][col];
@@ -690,7 +640,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
           fence_proxy_async();
         }
         if (s == 13) {  // P16: dA0 = -lower(X Ar^T); P17 (issued at stage 12) waited for with it
-          role_sync(1);  // X complete in t12
+          role_sync(kBarR);  // X complete in t12
           mm64_issue<0, 0, 4>(x, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return kmaj(dd, S, S.ar, 64, k); });
           mm_wait<0>(x);
           fence_regs(p);
@@ -717,7 +667,7 @@ __global__ void __launch_bounds__(512, 1) fused_bwd(const __grid_constant__ Para
             fst2(S.t13, fr, e, h0, h1);
             fst2(S.t11, fr, e, x[e] - h0, x[e + 1] - h1);
           }
-          role_sync(1);
+          role_sync(kBarR);
           uint32_t th[16], tl[16];
           fld_t_pairs(S.t13, fr, th);
           fld_t_pairs(S.t11, fr, tl);

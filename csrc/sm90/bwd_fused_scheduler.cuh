@@ -1,0 +1,64 @@
+// What a CTA of the fused backward walks (bwd_fused_kernel.cuh), apart from how it walks it: the
+// (sequence, value head, segment) of its grid coordinates, the chunks and unit rows of that walk,
+// whether it has any work, and the reverse CP certificate that drops a transfer (the scan,
+// bwd_fused.cu, applies the same one).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/chunk_index.cuh"
+#include "sm90/bwd_fused_params.h"
+
+namespace flashgdn::sm90::fused_bwd {
+
+// Segment `seg` of sequence n, value head h (the whole sequence when P.seg_chunks is 0): `chunks`
+// chunks from chunk `first` (0 or fewer: a segment past the sequence's end), `total` the
+// sequence's; unit rows (slot Hv + h) as 32-bit integers from u0 (the launcher checks the range);
+// from_dht: it ends the sequence, so its carry starts from d_final_state.
+struct Walk {
+  int chunks, first, total, u0;
+  bool from_dht;
+};
+__device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int seg) {
+  const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
+  Walk w;
+  w.total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
+  w.first = P.seg_chunks * seg;
+  w.chunks = P.seg_chunks > 0 ? min(w.total - w.first, P.seg_chunks) : w.total;
+  w.from_dht = w.first + w.chunks == w.total;
+  w.u0 = static_cast<int>(cuda::chunk_slot(P.seq, n, w.first, si.t0)) * P.Hv + h;
+  return w;
+}
+
+// The reverse CP certificate. A segment's transfer A_s is the adjoint of the states' transfer
+// over its tokens, prod_t e^{g_t} (I - beta_t k_t k_t^T), of norm at most e^{sum_t g_t} prod_t
+// max(1, |1 - beta_t |k_t|^2|); bound[u] holds that bound's log for one chunk (the prep's:
+// c_L + sum_t log max(1, |1 - beta_t |k_t|^2|), from the keys the walk multiplies). Below e^-16
+// (the forward's kCertifyLogDecay: 1.1e-7 of the carry, four orders below a bf16 ulp) A_s X is
+// dropped: its walk is not run and the scan takes X = B_s. The kernel and the scan decide alike
+// (the same sum in the same order).
+constexpr float kTransferLogBound = -16.f;
+__device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
+  float s = 0.f;
+  for (int j = 0; j < chunks; ++j) s += bound[u0 + j * hv];
+  return s < kTransferLogBound;
+}
+
+// Whether the CTA of segment seg has work: phase 0, a segment within the sequence, and segment 0
+// always (dh0 of a sequence of no chunks is d_final_state); phase 1 (transfer), segments 1 .. last
+// (nothing is seeded from segment 0), the A_s walk (zero_do) only where not certified away.
+__device__ __forceinline__ bool walk_has_work(const Params& P, int64_t n, int h, int seg, bool transfer, bool zero_do) {
+  const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
+  const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
+  const int segs = P.seg_chunks > 0 ? (total + P.seg_chunks - 1) / P.seg_chunks : 1;
+  if (seg >= segs && (transfer || seg > 0)) return false;
+  if (transfer && seg == 0) return false;
+  if (zero_do) {
+    const int first = P.seg_chunks * seg;  // walk_of's, without its other fields
+    const int u = static_cast<int>(cuda::chunk_slot(P.seq, n, first, si.t0)) * P.Hv + h;
+    if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return false;
+  }
+  return true;
+}
+
+}  // namespace flashgdn::sm90::fused_bwd
