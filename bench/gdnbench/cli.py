@@ -43,6 +43,9 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="output folder (default: bench/results/<gpu>-<date>/)")
     p.add_argument("--no-graph", action="store_true", help="time eagerly, no CUDA graphs")
     p.add_argument("--no-check", action="store_true", help="skip the accuracy check against the float64 oracle")
+    p.add_argument("--flashgdn-precision", default="default", choices=("default", "fast", "high"),
+                   help="flashgdn's precision level for its calls, forward and backward (default: default); "
+                        "the header and the accuracy table record it")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting cells after this many seconds (rest: 'skipped: time budget'); default 540")
     p.add_argument("--target-ms", type=float, default=300.0, help="timed device time per measurement (default 300 ms)")
@@ -125,6 +128,7 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
         "flashgdn_commit": _git_commit(a),
         "selection": ("full" if a.full else "quick") + (f" part {a.part}" if a.part else ""),
         "qk_norms": ", ".join(C.parse_qk_norms(a.qk_norm)),
+        "flashgdn_precision": a.flashgdn_precision,
         "argv": " ".join(sys.argv[1:]),
         "copy_GBps": round(ceilings["copy_bytes_per_s"] / 1e9, 1),
         "bf16_TFLOPs": round(ceilings["bf16_flop_per_s"] / 1e12, 1),
@@ -267,6 +271,8 @@ def main(argv=None) -> int:
     loaded = {}
     for n in names:
         obj = ALL[n]()
+        if n == "flashgdn":
+            obj.precision = a.flashgdn_precision
         try:
             obj.load()
             loaded[n] = (obj, "")

@@ -77,6 +77,7 @@ def _norm(x: Dict) -> bool:
 
 class FlashGDN(Contender):
     name = "flashgdn"
+    precision = "default"  # the level its calls take (--flashgdn-precision), the forward's and the backward's
 
     def load(self):
         try:
@@ -97,7 +98,7 @@ class FlashGDN(Contender):
         return self.mod.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
             output_final_state=True, use_qk_l2norm_in_kernel=_norm(x), cu_seqlens=x["cu"],
-            cu_seqlens_cpu=x["cu_host"])
+            cu_seqlens_cpu=x["cu_host"], precision=self.precision)
 
 
 class FlashQLA(Contender):

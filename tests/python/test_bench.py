@@ -658,3 +658,28 @@ def test_without_flashgdn_its_cells_say_not_installed_and_the_oracle_is_torch():
     leaves = {n: x[n].detach().double() for n in ("q", "k", "v", "g", "beta", "h0")}
     o, ht = oracle._torch_recurrence(*leaves.values(), x["scale"], x["cu_host"])
     assert oracle.rel_l2(o, ref["o"]) < 1e-7 and oracle.rel_l2(ht, ref["ht"]) < 1e-7  # bench/README.md: 1e-8
+
+
+def test_flashgdn_precision_reaches_its_calls():
+    """--flashgdn-precision sets the level of flashgdn's calls (the forward's, and through autograd
+    the backward's): the contender passes it on; the option takes only the library's levels."""
+    from gdnbench.contenders import FlashGDN
+    seen = {}
+
+    class Stub:
+        @staticmethod
+        def chunk_gated_delta_rule(*args, **kwargs):
+            seen.update(kwargs)
+
+    f = FlashGDN()
+    f.mod = Stub()
+    x = dict(q=None, k=None, v=None, g=None, beta=None, scale=0.1, h0=None, cu=None, cu_host=None, qk_norm="in_kernel")
+    f.call(x)
+    assert seen["precision"] == "default"
+    f.precision = "fast"
+    f.call(x)
+    assert seen["precision"] == "fast"
+    r = _run_script("--quick", "--list", "--flashgdn-precision", "fast")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run_script("--quick", "--list", "--flashgdn-precision", "low")
+    assert r.returncode != 0 and "--flashgdn-precision" in r.stderr and "invalid choice" in r.stderr
