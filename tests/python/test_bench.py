@@ -683,3 +683,17 @@ def test_flashgdn_precision_reaches_its_calls():
     assert r.returncode == 0, r.stdout + r.stderr
     r = _run_script("--quick", "--list", "--flashgdn-precision", "low")
     assert r.returncode != 0 and "--flashgdn-precision" in r.stderr and "invalid choice" in r.stderr
+
+
+def test_degenerate_keys_script_runs_on_the_cpu_backend():
+    """bench/degenerate_keys.py (the GPU levels on repeated keys, beta 0.99) runs end to end on the
+    CPU backend: a row per (keys, level), six finite errors each, at the fp32 backend's floor."""
+    r = subprocess.run([sys.executable, str(BENCH_DIR / "degenerate_keys.py"), "--device", "cpu", "--T", "96",
+                        "--heads", "1/2", "--keys", "identical,alternating"],
+                       capture_output=True, text=True, cwd=str(BENCH_DIR.parent), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| identical") or ln.startswith("| alternating")]
+    assert len(rows) == 6
+    for row in rows:
+        errs = [float(x) for x in row[2:]]
+        assert len(errs) == 6 and all(math.isfinite(e) and e < 5e-3 for e in errs), row
