@@ -51,10 +51,11 @@ __device__ __forceinline__ float row_rnorm(const bf16* x, int lane) {
 
 // ---- 2. prep --------------------------------------------------------------------------------
 // One warpgroup per (chunk slot, q/k head): q and k normalised (l2norm) and rounded to bf16, the
-// keys staged once as a bf16 tile (the values the fused kernel multiplies), K K^T on wgmma (fp32 accumulation), then for each value head of the
-// group: c and beta (scan_chunk_gates), A = strict_lower(diag(beta) K K^T) and its inverse by the
-// forward's blocked inverse (fwd_inverse.cuh, TF32 split products), Ar to a swizzled tile; and
-// the rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length.
+// keys staged once as a bf16 tile (the values the fused kernel multiplies), K K^T on wgmma (fp32
+// accumulation), then for each value head of the group: c and beta (scan_chunk_gates), A =
+// strict_lower(diag(beta) K K^T) and its inverse by the forward's blocked inverse
+// (fwd_inverse.cuh, TF32 split products), Ar to a swizzled tile, the certificate's bound; and the
+// rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length.
 struct PrepSmem {
   alignas(1024) uint8_t kr[2 * tl::kTile64];  // K [64 tokens][128]: two 64-column tiles
   float af[kC][sm90::kLdF];                    // A (its upper triangle: the inverse's scratch)
@@ -187,7 +188,8 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
     for (int which = 0; which < 2; ++which) {  // 0: dq (tile 2), 1: dk (tile 0)
       float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int64_t g = 0; g < P.group; ++g) {
-        const float4 x = tile4(F.out + ((gc * P.Hv + hq * P.group + g) * F.out_count + (which == 0 ? F.out_count - 1 : 0)) * fk::kTile, i, lane);
+        const int64_t tile = (gc * P.Hv + hq * P.group + g) * F.out_count + (which == 0 ? F.out_count - 1 : 0);
+        const float4 x = tile4(F.out + tile * fk::kTile, i, lane);
         d.x += x.x, d.y += x.y, d.z += x.z, d.w += x.w;
       }
       if (P.l2norm) {  // x^ = x / ||x||, as the prep scaled it
@@ -241,7 +243,8 @@ __global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params 
 #pragma unroll
   for (int j = 0; j < kScanRows; ++j) {
     const int a = r0 + 32 * j;
-    const int64_t o = n * K.dht.s0 + h * K.dht.s1 + (K.state_v_first ? int64_t{v} * K.dht.s2 + a : int64_t{a} * K.dht.s2 + v);
+    const int64_t o = n * K.dht.s0 + h * K.dht.s1 +
+                      (K.state_v_first ? int64_t{v} * K.dht.s2 + a : int64_t{a} * K.dht.s2 + v);
     x[j] = K.has_dht ? load_as_float(K.dht.data, K.dht.dtype, o) : 0.f;
     S.x[a][col] = x[j];
   }
@@ -254,7 +257,8 @@ __global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params 
     if (!fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv)) {
       const float* A = K.cp_maps + ((chain + s) * 2 + 1) * kD * kD;
       for (int j = tid; j < kD * kD / 4; j += kScanThreads)
-        *reinterpret_cast<float4*>(&S.a[j / (kD / 4)][4 * (j % (kD / 4))]) = __ldg(reinterpret_cast<const float4*>(A) + j);
+        *reinterpret_cast<float4*>(&S.a[j / (kD / 4)][4 * (j % (kD / 4))]) =
+            __ldg(reinterpret_cast<const float4*>(A) + j);
       __syncthreads();  // A_s and X in shared memory
 #pragma unroll 4
       for (int k = 0; k < kD; k += 4) {

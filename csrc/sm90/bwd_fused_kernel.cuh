@@ -38,7 +38,9 @@ constexpr int kWarpgroupThreads = 128, kComputeWarpgroups = 3, kThreads = 4 * kW
 // arrives on those stages' barriers too.
 __host__ __device__ constexpr int out_written(int j) { return j == 0 ? 0 : (j == 1 ? 4 : 10); }
 __host__ __device__ constexpr int out_freed(int j) { return j == 0 ? 3 : (j == 1 ? 9 : 15); }
-__host__ __device__ constexpr bool frees_out(int s) { return s == out_freed(0) || s == out_freed(1) || s == out_freed(2); }
+__host__ __device__ constexpr bool frees_out(int s) {
+  return s == out_freed(0) || s == out_freed(1) || s == out_freed(2);
+}
 // Stage s's barrier: every compute thread, and the store warp where stage s frees `out`.
 __host__ __device__ constexpr uint32_t stage_arrivals(int s) {
   return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? 32 : 0);
