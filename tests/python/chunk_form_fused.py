@@ -4,7 +4,8 @@ chunk's inverse without gates, Ar = (I + strictly_lower(diag(beta) K K^T))^-1, g
 (T = Gam (.) Ar, Gam_ij = e^{c_i - c_j}); the corrected values as Vn = T diag(beta) R with
 R = V - diag(e^c) K S0 (so W = T diag(beta e^c) K is never formed); and the backward's 19 matrix
 products per chunk, each named P1..P19 where it is formed; and the reverse context parallelism's
-form (a chunk's carry as an affine map, segments composed and scanned). test_chunk_form_fused.py
+form (a chunk's carry as an affine map, segments composed and scanned); and a chunk split over
+blocks of the value columns (two CTAs a chain: what they exchange and sum). test_chunk_form_fused.py
 checks every gradient against the float64 recurrence (flashgdn.reference). One sequence, one head;
 q and k as given (the l2 norm's backward is separate); S is [K][V]."""
 from __future__ import annotations
@@ -197,3 +198,73 @@ def backward_segments(q, k, v, g, beta, scale, s0, do, dht, seg_chunks, rnd=exac
         seeds[hi] = dS
         dS = A @ dS + B
     return _walk(q, k, v, g, beta, scale, starts, do, seeds, rnd)
+
+
+# ---- two CTAs a chain, one per half of the value columns (bench/fused-backward.md) -------------
+def chunk_backward_halves(Q, K, V, gc, B, dO, S0, dS, scale, halves=2, exchange=True):
+    """chunk_backward's outputs as `halves` CTAs of one chain would form them, each owning a block
+    of the value columns (V, dO, S0, dS and every V-wide intermediate of its block): dS's columns
+    evolve independently, so the carry, dv and the V-wide products stay in their block. What is
+    exchanged (each CTA computing the rest whole): the blocks of Vn, dVn and R (for P6's dT~ and
+    P8's dP, which contract over V; each CTA loads the whole dO), or equivalently the blocks'
+    partial dT~ and dP (64 x 64 each), summed. What is summed over the blocks:
+    the partial products that contract over V (P9's dK~, P10's dQ~, P11's dK term) and the dc
+    terms made of them (<dS, S0>, dR's row sums), as dq, dk partials and dc partials. The terms
+    without V (P12, P14, P19, dbeta, Gam's dc terms) are formed once, by block 0. exchange=False:
+    block 0 forms dT~ and dP from its own columns alone (what a kernel without the exchange would
+    compute; tests show it is wrong)."""
+    c, gam = _gates(gc)
+    ec, eL = np.exp(c), np.exp(c[-1])
+    ktil = K * np.exp(c[-1] - c)[:, None]
+    qtil = scale * ec[:, None] * Q
+    p = scale * np.tril(Q @ K.T) * gam
+    ar, kk = _inverse(K, B)
+    t = gam * ar
+    tb = t * B[None, :]
+    cols = np.array_split(np.arange(V.shape[1]), halves)
+    # Each block's own V-wide values, then the exchange.
+    own = []
+    for j in cols:
+        ks = K @ S0[:, j]
+        r = V[:, j] - ec[:, None] * ks
+        dvn = ktil @ dS[:, j] + p.T @ dO[:, j]
+        own.append(dict(j=j, ks=ks, r=r, vn=tb @ r, dvn=dvn))
+    mine = own if exchange else own[:1]
+    vn = np.concatenate([o["vn"] for o in mine], 1)    # exchanged
+    dvn = np.concatenate([o["dvn"] for o in mine], 1)  # exchanged
+    r = np.concatenate([o["r"] for o in mine], 1)      # exchanged
+    dtb = dvn @ r.T                                    # P6, whole in each block
+    dpm = dO[:, np.concatenate([o["j"] for o in mine])] @ vn.T  # P8, whole (dO loaded whole)
+    gp = scale * np.tril(dpm) * gam
+    dt = dtb * B[None, :]
+    dar = np.tril(dt * gam, -1)
+    da0 = -np.tril((ar.T @ dar) @ ar.T, -1)
+    dkk = da0 * B[:, None]
+    dq = np.zeros_like(Q)
+    dk = np.zeros_like(K)
+    dv = np.zeros_like(V)
+    dS_prev = np.zeros_like(dS)
+    dc = np.zeros(len(gc))
+    for b, o in enumerate(own):
+        j = o["j"]
+        dr = tb.T @ o["dvn"]                         # P5 (own columns): dv
+        dv[:, j] = dr
+        dvg = -ec[:, None] * dr
+        dktil = o["vn"] @ dS[:, j].T                 # P9 partial
+        dqt = dO[:, j] @ S0[:, j].T                  # P10 partial
+        dq += scale * ec[:, None] * dqt
+        dk += dvg @ S0[:, j].T + np.exp(c[-1] - c)[:, None] * dktil  # P11 partial, dK~ partial
+        dS_prev[:, j] = eL * dS[:, j] + K.T @ dvg + Q.T @ (scale * ec[:, None] * dO[:, j])  # P13, P18
+        dc += (dqt * qtil).sum(1) - (dr * (ec[:, None] * o["ks"])).sum(1)
+        kt = (dktil * ktil).sum(1)
+        dc -= kt
+        dc[-1] += kt.sum() + eL * (dS[:, j] * S0[:, j]).sum()
+        if b == 0:  # the terms without V, once
+            dq += gp @ K                             # P12
+            dk += gp.T @ Q + (dkk + dkk.T) @ K       # P14, P19
+            pp = np.tril(dpm) * p
+            tt = np.tril(dt * t, -1)
+            dc += pp.sum(1) - pp.sum(0) + tt.sum(1) - tt.sum(0)
+    dbeta = (dtb * t).sum(0) + (da0 * kk).sum(1)
+    dg = np.cumsum(dc[::-1])[::-1]
+    return dq, dk, dv, dg, dbeta, dS_prev
