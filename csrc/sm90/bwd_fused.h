@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/chunk_bwd_internal.cuh"
+#include "sm90/bwd_fused_params.h"
 
 namespace flashgdn::cuda::bwd {
 
@@ -44,6 +45,12 @@ struct FusedBuffers {
   float *maps, *seeds;                    // reverse CP (FusedLayout::kMaps, kSeeds)
   int32_t seg_chunks, segments;
 };
+
+// The steps' launches, a file each: 2 (bwd_fused_prep.cu), 3b (bwd_fused_scan.cu), 4
+// (bwd_fused_reduce.cu); P.num_chunks chunk slots.
+void launch_fused_prep(const BwdParams& P, const FusedBuffers& F, cudaStream_t s);
+void launch_fused_cp_scan(const sm90::fused_bwd::Params& K, int64_t N, int64_t Hv, cudaStream_t s);
+void launch_fused_reduce(const BwdParams& P, const FusedBuffers& F, cudaStream_t s);
 
 // Steps 2-4 of bwd_fused.cu over every chunk slot (P.slot0 = 0, P.slots = P.num_chunks), after the
 // states pass; the gate step and the head sums follow (chunk_bwd.cu).

@@ -49,9 +49,6 @@ __host__ __device__ constexpr uint32_t stage_arrivals(int s) {
 constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
-constexpr uint32_t kTile = 64 * 128 * 2;   // a 64 x 128 bf16 tile: 16 KB
-constexpr uint32_t kState = 128 * 128 * 2;  // 32 KB
-constexpr uint32_t kSmall = 64 * 64 * 2;    // 8 KB
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
 constexpr uint32_t kLoad1 = kSmall + kTile;             // Ar, dO (reloaded after stage 13)
 // c and beta (512 bytes, after stage 14) come through registers (the producer's warp 2): loaded a

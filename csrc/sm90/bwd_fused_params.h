@@ -8,9 +8,13 @@
 
 namespace flashgdn::sm90::fused_bwd {
 
+constexpr uint32_t kTile = 64 * 128 * 2;   // a 64 x 128 bf16 tile: 16 KB
+constexpr uint32_t kState = 128 * 128 * 2;  // 32 KB
+constexpr uint32_t kSmall = 64 * 64 * 2;    // 8 KB
+
 struct Params {
   // q, k ([rows, Hq, 128]) and v, dO ([rows, Hv, 128]): bf16 in slot layout (64 rows a chunk slot,
-  // zero past the chunk's length; bwd_fused.cu's prep), as 4-D tile maps (sm90/tma.h: boxes of
+  // zero past the chunk's length; bwd_fused_prep.cu), as 4-D tile maps (sm90/tma.h: boxes of
   // 64 x 1 x 64 x 1, the 128-byte swizzle); v, dO the user's [B, T, Hv, 128] where vo_direct.
   TileMap tq, tk, tv, tdo;
   // S0: the states pass's bf16 h ([(slots + 1) Hv 128 rows][128], [K][V] a unit) as a one-head

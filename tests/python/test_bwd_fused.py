@@ -117,7 +117,7 @@ def test_fused_same_bits():
 
 @pytest.mark.parametrize("layout", ["varlen", "dense"])
 def test_fused_reverse_cp(layout):
-    """The fused walk split into segments (cp_segment=1024: 16 chunks; bwd_fused.cu 4a-4c): the
+    """The fused walk split into segments (cp_segment=1024: 16 chunks; bwd_fused.cu 3a-3c): the
     transfers A_s, B_s, the scan and the segment walks, against the oracle and against the same call
     unsplit (context_parallel=False), with the same bits on a second split call; automatic CP too.
     Varlen: a 3000-token sequence in three segments (the last one partial), an empty one, one of

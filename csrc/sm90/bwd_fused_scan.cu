@@ -1,0 +1,82 @@
+// The fused backward's step 3b (bwd_fused.cu): the reverse CP scan over each chain's segments.
+#include "sm90/bwd_fused.h"
+#include "sm90/bwd_fused_scheduler.cuh"
+
+namespace flashgdn::cuda::bwd {
+
+namespace {
+
+namespace fk = sm90::fused_bwd;
+constexpr int kD = 128;
+
+// Per (sequence, value head, 8 columns of the carry): X = dht (0 without), then for the segments
+// s = last .. 1: X = A_s X + B_s (fp32), the carry at segment s - 1's end, to seeds[s - 1]. The
+// carry's columns evolve independently (every product of the walk multiplies dS from the left),
+// so 16 CTAs share a chain. A thread: one column, rows r0 + 32 j; A_s's rows padded to 132 floats
+// so that a warp's four consecutive rows are four float4s in distinct banks.
+constexpr int kScanCols = 8, kScanThreads = 256, kScanRows = kD * kScanCols / kScanThreads, kScanLd = kD + 4;
+struct ScanSmem {
+  float a[kD][kScanLd];
+  float x[kD][kScanCols];
+};
+
+__global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params K) {
+  const int64_t n = blockIdx.x;
+  const int h = blockIdx.y, tid = threadIdx.x;
+  const int total = static_cast<int>(ceil_div(seq_info(K.seq, n).len, int64_t{kC}));
+  const int segs = (total + K.seg_chunks - 1) / K.seg_chunks;
+  if (segs <= 1) return;
+  auto& S = dynamic_smem_1024<ScanSmem>();
+  const int col = tid % kScanCols, v = blockIdx.z * kScanCols + col, r0 = tid / kScanCols;
+  const size_t chain = (size_t(n) * K.Hv + h) * K.segments;
+  float x[kScanRows];
+#pragma unroll
+  for (int j = 0; j < kScanRows; ++j) {
+    const int a = r0 + 32 * j;
+    const int64_t o = n * K.dht.s0 + h * K.dht.s1 +
+                      (K.state_v_first ? int64_t{v} * K.dht.s2 + a : int64_t{a} * K.dht.s2 + v);
+    x[j] = K.has_dht ? load_as_float(K.dht.data, K.dht.dtype, o) : 0.f;
+    S.x[a][col] = x[j];
+  }
+  const int u_first = static_cast<int>(chunk_slot(K.seq, n, 0, seq_info(K.seq, n).t0)) * K.Hv + h;
+  for (int s = segs - 1; s >= 1; --s) {
+    const float* Bm = K.cp_maps + (chain + s) * 2 * kD * kD;
+#pragma unroll
+    for (int j = 0; j < kScanRows; ++j) x[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
+    const int first = s * K.seg_chunks;
+    if (!fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv)) {
+      const float* A = K.cp_maps + ((chain + s) * 2 + 1) * kD * kD;
+      for (int j = tid; j < kD * kD / 4; j += kScanThreads)
+        *reinterpret_cast<float4*>(&S.a[j / (kD / 4)][4 * (j % (kD / 4))]) =
+            __ldg(reinterpret_cast<const float4*>(A) + j);
+      __syncthreads();  // A_s and X in shared memory
+#pragma unroll 4
+      for (int k = 0; k < kD; k += 4) {
+        const float x0 = S.x[k][col], x1 = S.x[k + 1][col], x2 = S.x[k + 2][col], x3 = S.x[k + 3][col];
+#pragma unroll
+        for (int j = 0; j < kScanRows; ++j) {
+          const float4 a = *reinterpret_cast<const float4*>(&S.a[r0 + 32 * j][k]);
+          x[j] = fmaf(a.w, x3, fmaf(a.z, x2, fmaf(a.y, x1, fmaf(a.x, x0, x[j]))));
+        }
+      }
+    }
+    __syncthreads();  // every read of X and A_s done
+    float* seed = const_cast<float*>(K.cp_seeds) + (chain + s - 1) * kD * kD;
+#pragma unroll
+    for (int j = 0; j < kScanRows; ++j) {
+      S.x[r0 + 32 * j][col] = x[j];
+      seed[(r0 + 32 * j) * kD + v] = x[j];
+    }
+  }
+}
+
+}  // namespace
+
+void launch_fused_cp_scan(const sm90::fused_bwd::Params& K, int64_t N, int64_t Hv, cudaStream_t s) {
+  constexpr size_t kScanSmem = dynamic_smem_1024_bytes<ScanSmem>();
+  set_dynamic_smem(fused_cp_scan_kernel, kScanSmem);
+  fused_cp_scan_kernel<<<dim3(N, Hv, kD / kScanCols), kScanThreads, kScanSmem, s>>>(K);
+  FGDN_CHECK_LAUNCH("bwd fused (CP scan)");
+}
+
+}  // namespace flashgdn::cuda::bwd
