@@ -6,9 +6,11 @@ all bf16; g = -A softplus(x + 1) with A = 0 on head 0, 16 U(0, 1) on the others;
 dht 0.1 normal). Prints each gradient's relative L2 error over all heads, as flashgdn_run --check
 prints them, per policy. --keys identical / alternating (one unit key for every token, or one key
 with alternating signs) and --beta b (every beta = b) give the degenerate inputs where a 16-bit
-inverse loses the gradient (bench/fused-backward.md, "Precision").
+inverse loses the gradient (bench/fused-backward.md, "Precision"). --halves prices instead what two
+CTAs a chain (one per half of the value columns) add to dq: its output written as two bf16
+partials, summed, then rounded, against one rounding of the whole.
 
-    python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B]
+    python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B] [--halves]
 """
 import argparse
 import os
@@ -48,6 +50,22 @@ def head_inputs(rng, T, K, A, keys="normal", beta_value=None):
     return q, k, v, g, beta, K ** -0.5, s0, do, dht
 
 
+def halves_dq(x):
+    """dq exact, rounded once, and as the two value halves' bf16 partials summed and rounded: per
+    chunk, half b's part of dQ~ = dO S0^T (its columns), block 0 also the terms without V."""
+    q, k, v, g, beta, scale, s0, do, dht = x
+    dq = cf.backward(*x)[0]
+    _, _, starts = cf.forward(q, k, v, g, beta, scale, s0)
+    cols = np.array_split(np.arange(v.shape[1]), 2)
+    halves = np.zeros_like(dq)
+    for n, (a, b) in enumerate(cf._chunks(q.shape[0])):
+        f = scale * np.exp(cf._gates(g[a:b])[0])[:, None]
+        parts = [f * (do[a:b, j] @ starts[n][:, j].T) for j in cols]
+        parts[0] = parts[0] + dq[a:b] - sum(parts)
+        halves[a:b] = bf16(sum(bf16(p) for p in parts))
+    return dq, bf16(dq), halves
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
@@ -55,10 +73,17 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--keys", choices=("normal", "identical", "alternating"), default="normal")
     ap.add_argument("--beta", type=float, default=None)
+    ap.add_argument("--halves", action="store_true")
     a = ap.parse_args()
     rng = np.random.default_rng(2026)
     A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, a.heads - 1))
     heads = [head_inputs(rng, a.T, a.K, A[h], a.keys, a.beta) for h in range(a.heads)]
+    if a.halves:
+        got = [halves_dq(x) for x in heads]
+        err = lambda i: np.sqrt(sum(((r[i] - r[0]) ** 2).sum() for r in got) / sum((r[0] ** 2).sum() for r in got))  # noqa: E731
+        print(f"T {a.T}, {a.heads} heads, K = V = {a.K}: dq's output rounding, relative L2 against exact: "
+              f"one bf16 rounding {err(1):.2e}, two bf16 value halves summed then rounded {err(2):.2e}")
+        return
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
     exact = [cf.backward(*x) for x in heads]
     print(f"T {a.T}, {a.heads} heads, K = V = {a.K}, keys {a.keys}, beta {a.beta if a.beta is not None else 'U(0, 1)'}; "
