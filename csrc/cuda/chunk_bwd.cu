@@ -36,7 +36,8 @@ struct Layout {
   // step 2, read by step 3), then dqh and dkh (written by step 4, read by steps 5 and 6).
   size_t shared, fwd, img;
   size_t total;
-  bool fused;  // the fused backward (sm90/bwd_fused.h): its buffers from `shared` on
+  bool fused;  // the fused backward (sm90/bwd_fused.h): its buffers, `F`, from `shared` on
+  bwd::FusedLayout F;
 };
 
 size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -114,7 +115,8 @@ Layout make_layout(const Problem& p, const fgdn_bwd_args& a) {
     L.first_row = o;
     o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
     L.shared = L.fwd = o;  // the states pass's scratch, then the fused buffers
-    L.total = o + std::max(align256(bwd::states_workspace_bytes(p, in)), bwd::fused_layout(p, a).bytes);
+    L.F = bwd::fused_layout(p, a);
+    L.total = o + std::max(align256(bwd::states_workspace_bytes(p, in)), L.F.bytes);
     return L;
   }
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
@@ -166,7 +168,7 @@ bwd::Tensor4 t4(const fgdn_tensor& t) {
 void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, const Layout& L, char* w,
                   cudaStream_t stream) {
   const fgdn_inputs& in = a.in;
-  const bwd::FusedLayout F = bwd::fused_layout(p, a);
+  const bwd::FusedLayout& F = L.F;
   char* f = w + L.shared;
   P.h = reinterpret_cast<float*>(w + L.off[kH]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
@@ -183,7 +185,7 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.ar = reinterpret_cast<uint8_t*>(f + F.off[F.kAr]);
   B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
   B.dv_direct = F.dv_direct;
-  B.out_count = F.dv_direct ? 2 : 3;
+  B.out_count = F.out_count;
   B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);
   B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
   B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);

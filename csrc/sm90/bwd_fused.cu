@@ -61,6 +61,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
   const bool direct = !p.varlen && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
   const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
+  const int32_t out_count = dv_direct ? 2 : 3;
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
   const size_t cp = plan.segments > 1 ? static_cast<size_t>(p.N) * Hv * plan.segments * D * D * 4 : 0;
@@ -69,7 +70,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       vo, vo,                                  // v16, do16
       S * Hv * 2 * C * 4,                      // gates
       S * Hv * fk::kSmall,                     // ar
-      S * Hv * (dv_direct ? 2 : 3) * fk::kTile,  // out
+      S * Hv * out_count * fk::kTile,          // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
       2 * cp, cp,                              // maps, seeds
@@ -77,6 +78,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   FusedLayout L{};
   L.vo_direct = direct;
   L.dv_direct = dv_direct;
+  L.out_count = out_count;
   L.segments = plan.segments;
   L.seg_chunks = plan.segments > 1 ? static_cast<int32_t>(plan.chunks) : 0;
   size_t o = 0;

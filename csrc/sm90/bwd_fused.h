@@ -24,7 +24,8 @@ struct FusedLayout {
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
-  bool dv_direct;  // vo_direct and TMA can address dv: the kernel writes dv in place (2 out tiles)
+  bool dv_direct;     // vo_direct and TMA can address dv: the kernel writes dv in place
+  int32_t out_count;  // kOut's tiles a (chunk slot, value head): dk, dq (2) with dv_direct, else dk, dv, dq
   // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
   // (kMaps: 2 fp32 128 x 128 matrices) and the seed (kSeeds: one).
   int32_t seg_chunks, segments;
