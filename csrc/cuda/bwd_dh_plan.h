@@ -39,24 +39,39 @@ struct DhPlan {
 };
 
 // sms: the device's multiprocessors (read only by an automatic split). fused: the fused
-// backward's walk (sm90/bwd_fused.cu), whose phase 1 runs one CTA a segment after the first for
-// B_s and one for A_s where the gates do not certify it away: automatically its segments are as
-// many as let the B_s walks and an eighth more fill one wave (15 at 8 chains on 132 SMs: 112 B_s
-// walks and the A_s walks of one head without decay), not a second wave.
+// backward's walk (sm90/bwd_fused.cu). Its S segments take two launches of S - 1 walks a chain:
+// phase 1 the last segment (from d_final_state, writing) and B_s, A_s of segments 1 .. S - 2
+// (A_s only where the gates do not certify it away), phase 0 segments 0 .. S - 2. Automatically
+// S - 1 = k walks a chain, k as many as fit 7/8 of a wave (the rest for the A_s walks: 15
+// segments at 8 chains on 132 SMs, 112 walks and the 13 A_s walks of one head without decay);
+// where that is 1, k = 2 if 2 N Hv <= SMs: 3 segments, 2/3 of the unsplit walk's chunk steps
+// when the A_s walks fit the wave's rest, the unsplit walk's when they take a second wave.
 inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
   DhPlan d;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;
   const int64_t longest = (p.T + kDhChunk - 1) / kDhChunk;  // chunks, an upper bound
   const int64_t chains = p.N * p.Hv;
+  const bool automatic = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO;
   if (p.cp_segment > 0) {
     d.chunks = std::max(kDhMinSegmentChunks, p.cp_segment / kDhChunk);
   } else {
-    if (p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && chains * kDhMinSegments > sms) return d;
     const int64_t c = std::max<int64_t>(chains, 1);
-    const int64_t per_chain = std::max<int64_t>(kDhMinSegments, fused ? 1 + (sms - sms / 8) / c : sms / c);
+    int64_t per_chain;
+    if (fused) {
+      int64_t k = (sms - sms / 8) / c;
+      if (k < 2 && 2 * c <= sms) k = 2;
+      if (automatic && k < 2) return d;
+      per_chain = std::max<int64_t>(automatic ? 3 : kDhMinSegments, k + 1);
+    } else {
+      if (automatic && chains * kDhMinSegments > sms) return d;
+      per_chain = std::max<int64_t>(kDhMinSegments, sms / c);
+    }
     d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);
+  // The fused walk's two segments are walked one after the other (phase 1 the last, phase 0 the
+  // first): no gain, so automatically none.
+  if (fused && automatic && p.cp_segment <= 0 && d.segments == 2) return DhPlan{};
   return d;
 }
 

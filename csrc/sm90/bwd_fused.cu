@@ -7,10 +7,11 @@
 //               FusedLayout::vo_direct)
 //   3. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
 //               under reverse CP (bwd_dh_plan.h's segments, when the chains are too few for the
-//               SMs) per segment: 3a. each segment's transfer dS -> A_s dS + B_s (two walks that
+//               SMs): 3a. the last segment walked from dht (its start carry the seed of the one
+//               before) and each middle segment's transfer dS -> A_s dS + B_s (two walks that
 //               write no gradient; A_s's not where the gates certify it negligible), 3b. the scan
-//               X = A_s X + B_s from dht, segment by segment, for the carry at each segment's
-//               end, 3c. every segment's walk from that carry
+//               X = A_s X + B_s from that seed, segment by segment, for the carry at each
+//               segment's end, 3c. the other segments walked from that carry
 //   4. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
 //               order, the l2norm's backward (1 / ||x|| recomputed), dv (where the kernel did
 //               not store it in place: FusedLayout::dv_direct) and dbeta to the user's tensors;

@@ -117,21 +117,24 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
   const int h = blockIdx.y;
   const int64_t n_seq = blockIdx.x;
   // Under reverse CP (P.seg_chunks > 0) the CTA walks segment `seg` of the chain (Params).
-  const int seg = P.phase ? blockIdx.z >> 1 : blockIdx.z;
-  const bool transfer = P.phase == 1;                       // phase 1: no gradient written
-  const bool zero_do = transfer && (blockIdx.z & 1) != 0;   // the A_s walk: dS = I, dO = 0
-  if (!walk_has_work(P, n_seq, h, seg, transfer, zero_do)) return;
+  const bool phase1 = P.phase == 1;
+  const int seg = phase1 ? blockIdx.z >> 1 : blockIdx.z;
+  const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
+  if (walk_kind(P, n_seq, h, seg, phase1, zero_do) == WalkKind::kNone) return;
   // The walk (bwd_fused_scheduler.cuh): N chunks from chunk `first`, unit rows from u0. Each role
   // takes them after its register allocation (chain()): values live across the roles' split were
   // spilled.
+  // transfer: phase 1's walk of a segment before the last (WalkKind::kTransfer), no gradient
+  // written; phase 1's walk of the last segment writes them (kGradientsSeeding).
   int N, u0, first;
-  bool from_dht;
+  bool from_dht, transfer;
   const auto chain = [&]() {
     const Walk w = walk_of(P, n_seq, h, seg);
     N = w.chunks;
     u0 = w.u0;
     first = w.first;
     from_dht = w.from_dht;
+    transfer = phase1 && !w.from_dht;
   };
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
   if (tid == kStages) S.full0.init(kFull0Arrivals);
@@ -306,8 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
         S.bar[s].wait(ph);
       }
     }
-    if (transfer) {  // A_s or B_s
-      float* map = P.cp_maps + (chain_seg * 2 + (zero_do ? 1 : 0)) * 16384;
+    const bool seeding = phase1 && !transfer;  // the last segment's: its start carry seeds seg - 1
+    if (transfer || seeding) {  // A_s or B_s, or the seed of the segment before
+      float* map = transfer ? P.cp_maps + (chain_seg * 2 + (zero_do ? 1 : 0)) * 16384 : P.cp_seeds + (chain_seg - 1) * 16384;
       each_carry([&](int m, int hf, int e) { map[carry_off(m, hf, e)] = ds[m][hf][e]; });
     } else if (P.want_dh0 && seg == 0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
       const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;

@@ -9,11 +9,12 @@ namespace {
 namespace fk = sm90::fused_bwd;
 constexpr int kD = 128;
 
-// Per (sequence, value head, 8 columns of the carry): X = dht (0 without), then for the segments
-// s = last .. 1: X = A_s X + B_s (fp32), the carry at segment s - 1's end, to seeds[s - 1]. The
-// carry's columns evolve independently (every product of the walk multiplies dS from the left),
-// so 16 CTAs share a chain. A thread: one column, rows r0 + 32 j; A_s's rows padded to 132 floats
-// so that a warp's four consecutive rows are four float4s in distinct banks.
+// Per (sequence, value head, 8 columns of the carry): X = the seed phase 1's walk of the last
+// segment S - 1 left for S - 2, then for the segments s = S - 2 .. 1: X = A_s X + B_s (fp32), the
+// carry at segment s - 1's end, to seeds[s - 1] (nothing to do for S <= 2). The carry's columns
+// evolve independently (every product of the walk multiplies dS from the left), so 16 CTAs share
+// a chain. A thread: one column, rows r0 + 32 j; A_s's rows padded to 132 floats so that a warp's
+// four consecutive rows are four float4s in distinct banks.
 constexpr int kScanCols = 8, kScanThreads = 256, kScanRows = kD * kScanCols / kScanThreads, kScanLd = kD + 4;
 struct ScanSmem {
   float a[kD][kScanLd];
@@ -25,21 +26,19 @@ __global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params 
   const int h = blockIdx.y, tid = threadIdx.x;
   const int total = static_cast<int>(ceil_div(seq_info(K.seq, n).len, int64_t{kC}));
   const int segs = (total + K.seg_chunks - 1) / K.seg_chunks;
-  if (segs <= 1) return;
+  if (segs <= 2) return;
   auto& S = dynamic_smem_1024<ScanSmem>();
   const int col = tid % kScanCols, v = blockIdx.z * kScanCols + col, r0 = tid / kScanCols;
   const size_t chain = (size_t(n) * K.Hv + h) * K.segments;
   float x[kScanRows];
+  const float* last_seed = K.cp_seeds + (chain + segs - 2) * kD * kD;
 #pragma unroll
   for (int j = 0; j < kScanRows; ++j) {
-    const int a = r0 + 32 * j;
-    const int64_t o = n * K.dht.s0 + h * K.dht.s1 +
-                      (K.state_v_first ? int64_t{v} * K.dht.s2 + a : int64_t{a} * K.dht.s2 + v);
-    x[j] = K.has_dht ? load_as_float(K.dht.data, K.dht.dtype, o) : 0.f;
-    S.x[a][col] = x[j];
+    x[j] = last_seed[(r0 + 32 * j) * kD + v];
+    S.x[r0 + 32 * j][col] = x[j];
   }
   const int u_first = static_cast<int>(chunk_slot(K.seq, n, 0, seq_info(K.seq, n).t0)) * K.Hv + h;
-  for (int s = segs - 1; s >= 1; --s) {
+  for (int s = segs - 2; s >= 1; --s) {
     const float* Bm = K.cp_maps + (chain + s) * 2 * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) x[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
@@ -61,7 +60,7 @@ __global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params 
       }
     }
     __syncthreads();  // every read of X and A_s done
-    float* seed = const_cast<float*>(K.cp_seeds) + (chain + s - 1) * kD * kD;
+    float* seed = K.cp_seeds + (chain + s - 1) * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) {
       S.x[r0 + 32 * j][col] = x[j];

@@ -44,21 +44,27 @@ __device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, 
   return s < kTransferLogBound;
 }
 
-// Whether the CTA of segment seg has work: phase 0, a segment within the sequence, and segment 0
-// always (dh0 of a sequence of no chunks is d_final_state); phase 1 (transfer), segments 1 .. last
-// (nothing is seeded from segment 0), the A_s walk (zero_do) only where not certified away.
-__device__ __forceinline__ bool walk_has_work(const Params& P, int64_t n, int h, int seg, bool transfer, bool zero_do) {
+// What a CTA's walk does. Phase 0 walks segments 0 .. S - 2 of a sequence of S segments (all of
+// it without a split; segment 0 always: dh0 of a sequence of no chunks is d_final_state), each
+// from its seed, writing gradients. Phase 1 (grid z = 2 s + which) walks the last segment S - 1
+// from d_final_state, writing gradients and its start carry (the seed of S - 2: no transfer is
+// needed for it), and the transfers of segments 1 .. S - 2: B_s (which 0) and A_s (which 1,
+// zero_do) where not certified away.
+enum class WalkKind { kNone, kGradients, kGradientsSeeding, kTransfer };
+__device__ __forceinline__ WalkKind walk_kind(const Params& P, int64_t n, int h, int seg, bool phase1, bool zero_do) {
   const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
   const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
   const int segs = P.seg_chunks > 0 ? (total + P.seg_chunks - 1) / P.seg_chunks : 1;
-  if (seg >= segs && (transfer || seg > 0)) return false;
-  if (transfer && seg == 0) return false;
+  const int last = max(segs - 1, 0);
+  if (!phase1) return seg == 0 || seg < last ? WalkKind::kGradients : WalkKind::kNone;
+  if (seg < 1 || seg > last) return WalkKind::kNone;
+  if (seg == last) return zero_do ? WalkKind::kNone : WalkKind::kGradientsSeeding;
   if (zero_do) {
     const int first = P.seg_chunks * seg;  // walk_of's, without its other fields
     const int u = static_cast<int>(cuda::chunk_slot(P.seq, n, first, si.t0)) * P.Hv + h;
-    if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return false;
+    if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return WalkKind::kNone;
   }
-  return true;
+  return WalkKind::kTransfer;
 }
 
 }  // namespace flashgdn::sm90::fused_bwd

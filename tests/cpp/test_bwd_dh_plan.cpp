@@ -116,12 +116,17 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
   }
 }
 
-// The fused backward's plan (sm90/bwd_fused.cu): its phase 1 walks segments 1 .. S - 1 for B_s
-// (and A_s where not certified), so those B_s walks and an eighth more fit one wave.
-TEST(BwdDhPlan, FusedTransfersFillOneWave) {
+// The fused backward's plan (sm90/bwd_fused.cu): each of its two launches walks S - 1 segments a
+// chain (phase 1 the last segment and the B_s of segments 1 .. S - 2, with the A_s walks not
+// certified away; phase 0 segments 0 .. S - 2), so S - 1 walks a chain fill 7/8 of one wave, or,
+// where that leaves one, two fill at most the wave (three segments).
+TEST(BwdDhPlan, FusedWalksFillOneWave) {
   using flashgdn::cuda::bwd::dh_plan_segments;
-  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 8), kH100Sms, true).segments, 15);   // 2/8: 112 B_s walks
-  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 64), kH100Sms, true).segments, 1);   // 16/64: unsplit
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 8), kH100Sms, true).segments, 15);   // 2/8: 112 walks a launch
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 32), kH100Sms, true).segments, 4);   // 8/32: 96
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 64), kH100Sms, true).segments, 3);   // 16/64: 128
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 67), kH100Sms, true).segments, 1);   // 134 > 132: unsplit
+  EXPECT_EQ(dh_plan_segments(shape(4, 8192, 64), kH100Sms, true).segments, 1);    // 256 chains
   std::mt19937_64 rng(20261129);
   for (int i = 0; i < 20000; ++i) {
     const int64_t N = 1 + static_cast<int64_t>(rng() % 16), Hv = 1 + static_cast<int64_t>(rng() % 64);
@@ -129,10 +134,15 @@ TEST(BwdDhPlan, FusedTransfersFillOneWave) {
     const int sms = 1 + static_cast<int>(rng() % 200);
     const DhPlan d = dh_plan_segments(shape(N, T, Hv), sms, true);
     const int64_t chunks = (T + 63) / 64;
-    if (d.segments == 1) continue;
+    if (d.segments == 1) {  // unsplit: too many chains, or too few chunks for three segments of 16
+      ASSERT_TRUE(2 * N * Hv > sms || chunks <= 32) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+      continue;
+    }
+    ASSERT_GE(d.chunks, 16);
     ASSERT_GE(d.chunks * d.segments, chunks);
     ASSERT_LT(d.chunks * (d.segments - 1), chunks);
-    ASSERT_LE(N * Hv * (d.segments - 1), sms - sms / 8) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+    const int64_t walks = N * Hv * (d.segments - 1);
+    ASSERT_LE(walks, d.segments > 3 ? sms - sms / 8 : sms) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
   }
 }
 

@@ -115,16 +115,22 @@ def test_fused_same_bits():
         assert (x is None and y is None) or torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("layout", ["varlen", "dense"])
+@pytest.mark.parametrize("layout", ["varlen", "dense", "many_chains"])
 def test_fused_reverse_cp(layout):
     """The fused walk split into segments (cp_segment=1024: 16 chunks; bwd_fused.cu 3a-3c): the
     transfers A_s, B_s, the scan and the segment walks, against the oracle and against the same call
     unsplit (context_parallel=False), with the same bits on a second split call; automatic CP too.
-    Varlen: a 3000-token sequence in three segments (the last one partial), an empty one, one of
-    1100 tokens in two, short ones unsplit; one q/k head, two value heads (GVA). Dense: one
+    Varlen: a 3000-token sequence in three segments (the last one partial; phase 1 walks it from
+    dht and the transfers of the middle one), an empty one, one of 1100 tokens in two (no transfer:
+    the last walked in phase 1 seeds the first), short ones unsplit; one q/k head, two value heads (GVA). Dense: one
     4096-token sequence (four segments), no gates' decay on one head (the exact transfer matters
-    most there)."""
-    if layout == "varlen":
+    most there). Many chains: 48 (one 2560-token sequence, 12/48 heads), three segments of 16
+    chunks, as the automatic plan takes them on 96 to 164 SMs (tests/cpp/test_bwd_dh_plan.cpp; not
+    the same bits: the states pass's own split follows cp_segment too)."""
+    if layout == "many_chains":
+        c = make_case(B=1, T=2560, Hq=12, Hv=48, K=128, V=128, device=DEV, l2norm=True)
+        c.g[:, :, 0] = 0.0
+    elif layout == "varlen":
         c = make_case(Hq=1, Hv=2, K=128, V=128, lengths=[3000, 130, 0, 1100], device=DEV, l2norm=True,
                       gate_in_kernel=True)
     else:
@@ -150,27 +156,34 @@ def test_fused_reverse_cp(layout):
         assert torch.equal(b, r), f"{name}: two split calls differ"
         # The seeds (an fp32 scan of transfers walked with bf16 mirrors of dS, as the unsplit walk
         # is) round differently from the unsplit carry, not worse: the split call's error against
-        # the oracle within 1.25x the unsplit call's. Not for dA_log and ddt_bias, per-head sums of
-        # dg over tokens that cancel (D1): a rounding change of dg's moves their error by factors
-        # (varlen: 1.3e-3 unsplit, 5.3e-3 split, dg's own errors equal; H200, 2026-11-28);
-        # check_grads holds them to their bound.
+        # the oracle within 1.25x the unsplit call's. dg within 2x: a token's dg sums terms that
+        # cancel (docs/reliability.md D1), and the seeds' rounding moves its error both ways
+        # (dense case, 8 seeds: split / unsplit 0.58-1.68 at 2d88acd and after, the five other
+        # gradients 0.96-1.05; H200, 2026-11-29). Not for dA_log and ddt_bias, per-head sums of dg
+        # over tokens (varlen: 1.3e-3 unsplit, 5.3e-3 split; H200, 2026-11-28); check_grads holds
+        # dg, dA_log and ddt_bias to their bounds.
         e_off, e_on = _rel(to_f64(a), ref[name]), _rel(to_f64(b), ref[name])
         print(f"[cp] {name:8s} unsplit {e_off:.3e} split {e_on:.3e}")
         if name not in ("dA_log", "ddt_bias"):
-            assert e_on <= 1.25 * e_off, f"{name}: split {e_on:.3e} against unsplit {e_off:.3e}"
+            ratio = 2.0 if name == "dg" else 1.25
+            assert e_on <= ratio * e_off, f"{name}: split {e_on:.3e} against unsplit {e_off:.3e}"
 
 
 def test_fused_reverse_cp_certificate_reads_the_keys():
     """The certificate that skips a segment's A_s (fused_bwd::transfer_negligible) bounds
     |I - beta k k^T| by the keys the walk multiplies, not by the gates alone. Keys normalised before
-    the call (no in-kernel norm), two segments of 1024 tokens; in the second, gates that decay by
-    e^-20 (certified by the gates alone) and 40 tokens of one key with beta |k|^2 = 3, whose
-    transfer grows that key's direction by 2^40: A_1 is ~2e3 there, not negligible. dO is zero in
-    the second segment, so the first segment's gradients and dh0 come from A_1 dht alone: dropping
-    A_1 would change them wholly; with the keys read they match the unsplit call."""
-    c = make_case(B=1, T=2048, Hq=1, Hv=2, K=128, V=128, device=DEV, l2norm=False)
-    c.g[:, 1024:] = -20.0 / 1024
+    the call (no in-kernel norm), three segments of 1024 tokens (the last is walked from dht and
+    needs no transfer; the middle one's A_1 is the one tested). In the middle segment, gates that
+    decay by e^-20 (certified by the gates alone) and 40 tokens of one key with beta |k|^2 = 3, whose
+    transfer grows that key's direction by 2^40: A_1 is ~2e3 there, not negligible. dO is zero past
+    the first segment and the last barely moves the carry (beta 0.01, no decay), so the first
+    segment's gradients and dh0 come from A_1 (~dht) alone: dropping A_1 would change them wholly;
+    with the keys read they match the unsplit call."""
+    c = make_case(B=1, T=3072, Hq=1, Hv=2, K=128, V=128, device=DEV, l2norm=False)
     c.g[:, :1024] = -0.01
+    c.g[:, 1024:2048] = -20.0 / 1024
+    c.g[:, 2048:] = 0.0
+    c.beta[:, 2048:] = 0.01
     k0 = torch.nn.functional.normalize(torch.randn(128, device=DEV), dim=0)
     c.k[:, 1500:1540] = (3.0 ** 0.5 * k0).to(c.k.dtype)
     c.beta[:, 1500:1540] = 1.0
