@@ -31,6 +31,10 @@ namespace flashgdn::cuda::bwd {
 constexpr int64_t kDhChunk = 64;  // tokens a chunk (chunk_bwd_internal.cuh's kC)
 constexpr int64_t kDhMinSegmentChunks = 16;
 constexpr int64_t kDhMinSegments = 4;
+// r = num / den, the fused walk's transfer (a carry-only walk) against a whole walk, a chunk, as
+// the plan takes it: 0.4, the best of 1, 0.7, 0.6, 0.5, 0.4 on 2/8, 4/16, 8/32, 16/64 one 32768-token
+// sequence (H200, 2026-11-29; bench/NOTES.md), though a transfer walk alone costs 0.62 (Nsight).
+constexpr int64_t kFusedTransferStepNum = 2, kFusedTransferStepDen = 5;
 
 struct DhPlan {
   int64_t chunks = 0;    // chunks a segment (0 with no split)
@@ -56,17 +60,21 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
     d.chunks = std::max(kDhMinSegmentChunks, p.cp_segment / kDhChunk);
   } else {
     const int64_t c = std::max<int64_t>(chains, 1);
-    int64_t per_chain;
     if (fused) {
       int64_t k = (sms - sms / 8) / c;
       if (k < 2 && 2 * c <= sms) k = 2;
       if (automatic && k < 2) return d;
-      per_chain = std::max<int64_t>(automatic ? 3 : kDhMinSegments, k + 1);
+      k = std::max<int64_t>(automatic ? 2 : kDhMinSegments - 1, k);
+      // Phase 1 walks the last segment whole and the others' transfers, carry-only walks at r of
+      // a whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
+      // neither phase 1 part waits for the other. L = ceil(longest / (k + r)).
+      constexpr int64_t num = kFusedTransferStepNum, den = kFusedTransferStepDen;
+      d.chunks = std::max(kDhMinSegmentChunks, (longest * den + k * den + num - 1) / (k * den + num));
     } else {
       if (automatic && chains * kDhMinSegments > sms) return d;
-      per_chain = std::max<int64_t>(kDhMinSegments, sms / c);
+      const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / c);
+      d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
     }
-    d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);
   // The fused walk's two segments are walked one after the other (phase 1 the last, phase 0 the

@@ -50,6 +50,7 @@ constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
+constexpr uint32_t kLoad0Transfer = 2 * kTile;          // q, k: what a transfer walk reads of load 0
 constexpr uint32_t kLoad1 = kSmall + kTile;             // Ar, dO (reloaded after stage 13)
 // c and beta (512 bytes, after stage 14) come through registers (the producer's warp 2): loaded a
 // chunk ahead, stored once stage 14 ends, so no load latency is left between chunks.
@@ -107,34 +108,31 @@ __device__ __forceinline__ void each_carry(F&& f) {
 
 
 
-__global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
+// The walk of one CTA. kCarryOnly: a transfer walk of phase 1 (WalkKind::kTransfer), the carry
+// alone: its chain needs P, Tb (R's stages 0-2, and Q copied for P18 at 9), dVn, dR, dVg, dOg (D's
+// stages 1-6, 13) and the carry's products; the other stages only meet at their barriers, no
+// gradient is written, and the producer loads no v, S0. An instantiation of its own, chosen once
+// at the kernel's top: branches between products at run time left ptxas unable to follow them
+// (serialised wgmma, spills), and values kept across the roles' register split were spilled.
+template <bool kCarryOnly>
+__device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h, int seg, bool zero_do) {
+  constexpr bool transfer = kCarryOnly;  // no gradient written
   extern __shared__ __align__(16) uint8_t raw[];
   const uint32_t at = smem_addr(raw);
   Smem& S = *reinterpret_cast<Smem*>(raw + ((1024u - (at & 1023u)) & 1023u));
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
-  // (cuda/chunk_index.cuh), walked last to first.
-  const int h = blockIdx.y;
-  const int64_t n_seq = blockIdx.x;
-  // Under reverse CP (P.seg_chunks > 0) the CTA walks segment `seg` of the chain (Params).
   const bool phase1 = P.phase == 1;
-  const int seg = phase1 ? blockIdx.z >> 1 : blockIdx.z;
-  const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
-  if (walk_kind(P, n_seq, h, seg, phase1, zero_do) == WalkKind::kNone) return;
   // The walk (bwd_fused_scheduler.cuh): N chunks from chunk `first`, unit rows from u0. Each role
   // takes them after its register allocation (chain()): values live across the roles' split were
   // spilled.
-  // transfer: phase 1's walk of a segment before the last (WalkKind::kTransfer), no gradient
-  // written; phase 1's walk of the last segment writes them (kGradientsSeeding).
   int N, u0, first;
-  bool from_dht, transfer;
+  bool from_dht;
   const auto chain = [&]() {
     const Walk w = walk_of(P, n_seq, h, seg);
     N = w.chunks;
     u0 = w.u0;
     first = w.first;
     from_dht = w.from_dht;
-    transfer = phase1 && !w.from_dht;
   };
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
   if (tid == kStages) S.full0.init(kFull0Arrivals);
@@ -174,9 +172,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
         for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
       };
       auto load0 = [&](int i) {
-        S.full0.arrive_expect_tx(kLoad0);
+        S.full0.arrive_expect_tx(transfer ? kLoad0Transfer : kLoad0);
         tile(S.q, P.tq, hq, i, &S.full0);
         tile(S.k, P.tk, hq, i, &S.full0);
+        if (transfer) return;  // a transfer walk reads no v, S0
         tile(S.v, P.tv, h, i, &S.full0, P.vo_direct);
         // S0 (128 rows): four boxes of 64 rows, column block blk's rows at blk 128 128 bytes.
         const int row = unit(N - 1 - i) * 128;
@@ -274,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           const float eL = fexp(S.c[63]);
           each_carry([&](int m, int hf, int e) { ds[m][hf][e] *= eL; });
         }
-        if (s == 4) {  // <dS, S0> for dg (dS already decayed: e^{c_L} <dS_in, S0>)
+        if (s == 4 && !transfer) {  // <dS, S0> for dg (dS already decayed: e^{c_L} <dS_in, S0>)
           float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains, not one of 128 dependent FMAs
 #pragma unroll
           for (int m = 0; m < 2; ++m)
@@ -338,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
       const float* c = S.c;
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
-        if (s == 0 && i > 0) {  // the chunk after's dK to out
+        if (s == 0 && i > 0 && !transfer) {  // the chunk after's dK to out
           emit(S.out);
           fence_proxy_async();
         }
@@ -361,25 +360,29 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
         if (s == 4) {  // P5: dR = Tb^T dVn; dv to out
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
                          false);
-          emit(S.out);
-          fence_proxy_async();
+          if (!transfer) {
+            emit(S.out);
+            fence_proxy_async();
+          }
         }
         if (s == 5) {  // dg's R term: dR (.) (-e^c K S0), K S0 in t23; then dVg = -e^c dR to t23
-          float rs[2] = {0.f, 0.f};
           const float ex[2] = {fexp(c[fr.r0]), fexp(c[fr.r0 + 8])};
+          if (!transfer) {
+            float rs[2] = {0.f, 0.f};
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
+            for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-              const float2 ks = fld2(S.t23, fr, e, hf);
-              rs[(e >> 1) & 1] -= ex[(e >> 1) & 1] * (acc[hf][e] * ks.x + acc[hf][e + 1] * ks.y);
+              for (int e = 0; e < 32; e += 2) {
+                const float2 ks = fld2(S.t23, fr, e, hf);
+                rs[(e >> 1) & 1] -= ex[(e >> 1) & 1] * (acc[hf][e] * ks.x + acc[hf][e + 1] * ks.y);
+              }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              rs[j] = quad_sum(rs[j]);
+              if ((lane & 3) == 0) S.dc_D[fr.r0 + 8 * j] = rs[j];
             }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            rs[j] = quad_sum(rs[j]);
-            if ((lane & 3) == 0) S.dc_D[fr.r0 + 8 * j] = rs[j];
+            __syncwarp();
           }
-          __syncwarp();
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -395,10 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           for (int j = tid & 127; j < int(kTile / 16); j += 128) dst[j] = src[j];
           fence_proxy_async();
         }
-        if (s == 7)  // P9: dK~ = Vn dsm^T
+        if (s == 7 && !transfer)  // P9: dK~ = Vn dsm^T
           mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.dsm, 128, k); },
                          false);
-        if (s == 8) {  // dK = e^{c_L - c} (.) dK~; dg's K~ term
+        if (s == 8 && !transfer) {  // dK = e^{c_L - c} (.) dK~; dg's K~ term
           float rs[2] = {0.f, 0.f};
           const float dec[2] = {fexp(c[63] - c[fr.r0]), fexp(c[63] - c[fr.r0 + 8])};
 #pragma unroll
@@ -423,10 +426,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           role_sync(kBarD);
           if ((tid & 127) == 0) S.dc_D[63] += S.kt_part[0] + S.kt_part[1] + S.kt_part[2] + S.kt_part[3];
         }
-        if (s == 9)  // P11: dK += dVg S0^T
+        if (s == 9 && !transfer)  // P11: dK += dVg S0^T
           mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t23, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
                          true);
-        if (s == 12)  // P14: dK += dP^T Q
+        if (s == 12 && !transfer)  // P14: dK += dP^T Q
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
                          true);
         if (s == 13) {  // dOg = scale e^c (.) dO to t23, for the carry's P18
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
             }
           fence_proxy_async();
         }
-        if (s == 15)  // P19: dK += dAs K
+        if (s == 15 && !transfer)  // P19: dK += dAs K
           mm128<0, 1, 4>(acc, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          true);
         S.bar[s].arrive();
@@ -476,9 +479,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
         constexpr int s = decltype(stage_index)::value;
         if (s == 0) {  // P1: P = Q K^T; P4 (K S0, stage 3's) issued behind it, to run under stages 1-2
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.q, 64, k); }, [&](int k) { return kmaj(dd, S, S.k, 64, k); });
-          mm128_issue<0, 1, 8>(wide, [&](int k) { return kmaj(dd, S, S.k, 64, k); },
-                               [&](int k) { return mnmaj(dd, S, S.s0, 128, k); });
-          mm_wait<1>(p);
+          if constexpr (transfer) {  // the carry needs P and Tb of R's work, nothing else
+            mm_wait<0>(p);
+          } else {
+            mm128_issue<0, 1, 8>(wide, [&](int k) { return kmaj(dd, S, S.k, 64, k); },
+                                 [&](int k) { return mnmaj(dd, S, S.s0, 128, k); });
+            mm_wait<1>(p);
+          }
           if ((tid & 127) < 64) S.dc_R[tid & 127] = 0.f;
         }
         if (s == 1) {  // P staged: t11 = scale lower(P) (.) Gam
@@ -501,8 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           }
           fence_proxy_async();
         }
-        if (s == 3) mm_wait<0>(wide);  // P4: K S0 (issued at stage 0)
-        if (s == 4) {  // K S0 staged in t23, R = V - e^c (.) K S0 staged in t22
+        if (s == 3 && !transfer) mm_wait<0>(wide);  // P4: K S0 (issued at stage 0)
+        if (s == 4 && !transfer) {  // K S0 staged in t23, R = V - e^c (.) K S0 staged in t22
           const float ec[2] = {fexp(c[fr.r0]), fexp(c[fr.r0 + 8])};
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
@@ -517,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
             }
           fence_proxy_async();
         }
-        if (s == 5) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
+        if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
           mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
                         false);
           mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
@@ -529,11 +536,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
             for (int e = 0; e < 32; e += 2) fst2(S.t21, fr, e, wide[hf][e], wide[hf][e + 1], hf);
           fence_proxy_async();
         }
-        if (s == 6) {  // P8: dP = dO Vn^T
+        if (s == 6 && !transfer) {  // P8: dP = dO Vn^T
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.t21, 64, k); });
           mm_wait<0>(p);
         }
-        if (s == 7) {  // dP staged; dg's Gam terms; dT, dAr; dbeta's T term
+        if (s == 7 && !transfer) {  // dP staged; dg's Gam terms; dT, dAr; dbeta's T term
           // Per-warp column sums (dg's, then dbeta's), summed in warp order: fp32 scratch in t13
           // (free until stage 11).
           float(*colpart)[64] = reinterpret_cast<float(*)[64]>(S.t13);
@@ -595,32 +602,34 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
         }
         // P10: dQ~ = dO S0^T. Issued at stage 6 to run under stage 7 it was slower (16.2 against 15.2
         // us a chunk step, 132 heads x 64 chunks): its 64 accumulators spilled stage 7's work.
-        if (s == 8)
+        if (s == 8 && !transfer)
           mm128<0, 0, 8>(wide, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
                          false);
-        if (s == 9) {  // dQ = scale e^c (.) dQ~; dg's Q~ term; Q copied to t21
-          float rs[2] = {0.f, 0.f};
-          const float fq[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
+        if (s == 9) {  // dQ = scale e^c (.) dQ~; dg's Q~ term; Q copied to t21 (for the carry's P18)
+          if (!transfer) {
+            float rs[2] = {0.f, 0.f};
+            const float fq[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
+            for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-            for (int e = 0; e < 32; ++e) {
-              const float f = fq[(e >> 1) & 1];
-              const float qv = fld(S.q, fr, e, hf);
-              wide[hf][e] *= f;
-              rs[(e >> 1) & 1] += wide[hf][e] * qv;
+              for (int e = 0; e < 32; ++e) {
+                const float f = fq[(e >> 1) & 1];
+                const float qv = fld(S.q, fr, e, hf);
+                wide[hf][e] *= f;
+                rs[(e >> 1) & 1] += wide[hf][e] * qv;
+              }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              rs[j] = quad_sum(rs[j]);
+              if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
             }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            rs[j] = quad_sum(rs[j]);
-            if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
           }
           const uint4* src = reinterpret_cast<const uint4*>(S.q);
           uint4* dst = reinterpret_cast<uint4*>(S.t21);
           for (int j = tid & 127; j < int(kTile / 16); j += 128) dst[j] = src[j];
           fence_proxy_async();
         }
-        if (s == 10) {  // P12: dQ += dP K; dq to out
+        if (s == 10 && !transfer) {  // P12: dQ += dP K; dq to out
           mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          true);
 #pragma unroll
@@ -629,12 +638,12 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
             for (int e = 0; e < 32; e += 2) fst2(S.out, fr, e, wide[hf][e], wide[hf][e + 1], hf);
           fence_proxy_async();
         }
-        if (s == 11) {  // dAr staged in t13
+        if (s == 11 && !transfer) {  // dAr staged in t13
 #pragma unroll
           for (int e = 0; e < 32; e += 2) fst2(S.t13, fr, e, x[e], x[e + 1]);
           fence_proxy_async();
         }
-        if (s == 12) {  // P15: X = Ar^T dAr, staged in t12; P17 (K K^T, stage 13's) issued behind it
+        if (s == 12 && !transfer) {  // P15: X = Ar^T dAr, staged in t12; P17 (K K^T, stage 13's) issued behind it
           mm64_issue<1, 1, 4>(x, [&](int k) { return mnmaj(dd, S, S.ar, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); });
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); });
           mm_wait<1>(x);
@@ -642,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           for (int e = 0; e < 32; e += 2) fst2(S.t12, fr, e, x[e], x[e + 1]);
           fence_proxy_async();
         }
-        if (s == 13) {  // P16: dA0 = -lower(X Ar^T); P17 (issued at stage 12) waited for with it
+        if (s == 13 && !transfer) {  // P16: dA0 = -lower(X Ar^T); P17 (issued at stage 12) waited for with it
           role_sync(kBarR);  // X complete in t12
           mm64_issue<0, 0, 4>(x, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return kmaj(dd, S, S.ar, 64, k); });
           mm_wait<0>(x);
@@ -650,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
 #pragma unroll
           for (int e = 0; e < 32; ++e) x[e] = frow(fr, e) > fcol(fr, e) ? -x[e] : 0.f;
         }
-        if (s == 14) {  // dbeta's A0 term; dAs = dkk + dkk^T staged in t12 (dkk = dA0 rows by beta)
+        if (s == 14 && !transfer) {  // dbeta's A0 term; dAs = dkk + dkk^T staged in t12 (dkk = dA0 rows by beta)
           float rs[2] = {0.f, 0.f};
 #pragma unroll
           for (int e = 0; e < 32; ++e) {
@@ -682,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
           }
           fence_proxy_async();
         }
-        if (s == 15) {  // dg by a reverse cumulative sum; dbeta out
+        if (s == 15 && !transfer) {  // dg by a reverse cumulative sum; dbeta out
           {  // dg_r = sum_{r' >= r} d_r': lane l holds rows 2 l, 2 l + 1; a suffix scan of pairs (every R
              // warp scans, warp 0 stores: the shuffles stay in converged code)
             float* dg = P.dg + size_t(unit(n)) * 64;
@@ -697,12 +706,12 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
             }
             float after = __shfl_down_sync(~0u, x, 1);  // the pairs after this lane's
             if (lane == 31) after = 0.f;
-            if (warp == 0 && !transfer) {
+            if (warp == 0) {
               dg[2 * lane + 1] = after + hi;
               dg[2 * lane] = after + hi + lo;
             }
           }
-          if ((tid & 127) < 64 && !transfer) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
+          if ((tid & 127) < 64) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
         }
         S.bar[s].arrive();
         S.bar[s].wait(ph);
@@ -710,5 +719,21 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
       each_stage(stage, std::make_integer_sequence<int, kStages>{});
     }
   }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
+  // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
+  // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.seg_chunks > 0) segment
+  // `seg` of it (Params, bwd_fused_scheduler.cuh's walk_kind).
+  const int h = blockIdx.y;
+  const int64_t n_seq = blockIdx.x;
+  const bool phase1 = P.phase == 1;
+  const int seg = phase1 ? blockIdx.z >> 1 : blockIdx.z;
+  const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
+  const WalkKind kind = walk_kind(P, n_seq, h, seg, phase1, zero_do);
+  if (kind == WalkKind::kTransfer)
+    fused_walk<true>(P, n_seq, h, seg, zero_do);
+  else if (kind != WalkKind::kNone)
+    fused_walk<false>(P, n_seq, h, seg, zero_do);
 }
 }  // namespace flashgdn::sm90::fused_bwd

@@ -119,12 +119,16 @@ TEST(BwdDhPlan, RandomShapesCoverEveryChunkInOneWave) {
 // The fused backward's plan (sm90/bwd_fused.cu): each of its two launches walks S - 1 segments a
 // chain (phase 1 the last segment and the B_s of segments 1 .. S - 2, with the A_s walks not
 // certified away; phase 0 segments 0 .. S - 2), so S - 1 walks a chain fill 7/8 of one wave, or,
-// where that leaves one, two fill at most the wave (three segments).
+// where that leaves one, two fill at most the wave (three segments); the last segment shorter.
 TEST(BwdDhPlan, FusedWalksFillOneWave) {
   using flashgdn::cuda::bwd::dh_plan_segments;
   EXPECT_EQ(dh_plan_segments(shape(1, 32768, 8), kH100Sms, true).segments, 15);   // 2/8: 112 walks a launch
   EXPECT_EQ(dh_plan_segments(shape(1, 32768, 32), kH100Sms, true).segments, 4);   // 8/32: 96
   EXPECT_EQ(dh_plan_segments(shape(1, 32768, 64), kH100Sms, true).segments, 3);   // 16/64: 128
+  // Segments of L chunks and a last one of ~0.4 L (the transfers' carry-only walks, r = 2/5):
+  // 512 = 2 L + 84 at 16/64, 14 x 36 + 8 at 2/8.
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 64), kH100Sms, true).chunks, 214);
+  EXPECT_EQ(dh_plan_segments(shape(1, 32768, 8), kH100Sms, true).chunks, 36);
   EXPECT_EQ(dh_plan_segments(shape(1, 32768, 67), kH100Sms, true).segments, 1);   // 134 > 132: unsplit
   EXPECT_EQ(dh_plan_segments(shape(4, 8192, 64), kH100Sms, true).segments, 1);    // 256 chains
   std::mt19937_64 rng(20261129);
