@@ -7,6 +7,7 @@ import datetime as _dt
 import gc
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -108,6 +109,16 @@ def _driver() -> str:
         return "?"
 
 
+def flashgdn_backward() -> str:
+    """Which backward flashgdn's calls take: the fused reverse kernel while it is validated behind
+    FLASHGDN_BWD_FUSED=1 (it serves `fast`, bf16, K = V = 128; other calls keep the staged one),
+    else the staged kernels. Read as the library reads it (std::atoi of the value equal to 1)."""
+    m = re.match(r"\s*[+-]?\d+", os.environ.get("FLASHGDN_BWD_FUSED", ""))
+    if m is not None and int(m.group()) == 1:
+        return "fused where it applies (FLASHGDN_BWD_FUSED=1: fast, bf16, K = V = 128), else staged"
+    return "staged"
+
+
 def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     props = torch.cuda.get_device_properties(0)
     try:
@@ -129,6 +140,7 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
         "selection": ("full" if a.full else "quick") + (f" part {a.part}" if a.part else ""),
         "qk_norms": ", ".join(C.parse_qk_norms(a.qk_norm)),
         "flashgdn_precision": a.flashgdn_precision,
+        "flashgdn_backward": flashgdn_backward(),
         "argv": " ".join(sys.argv[1:]),
         "copy_GBps": round(ceilings["copy_bytes_per_s"] / 1e9, 1),
         "bf16_TFLOPs": round(ceilings["bf16_flop_per_s"] / 1e12, 1),

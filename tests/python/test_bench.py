@@ -685,6 +685,22 @@ def test_flashgdn_precision_reaches_its_calls():
     assert r.returncode != 0 and "--flashgdn-precision" in r.stderr and "invalid choice" in r.stderr
 
 
+def test_header_says_which_backward_and_level_flashgdn_ran(monkeypatch):
+    """The results' header names flashgdn's level and its backward: the fused kernel only where
+    FLASHGDN_BWD_FUSED reads as 1 (std::atoi, as the library reads it), else the staged one; the
+    markdown lists both."""
+    from gdnbench import cli
+    for value, fused in (("1", True), (" 1", True), ("1x", True), ("0", False), ("", False), ("yes", False),
+                         ("10", False)):
+        monkeypatch.setenv("FLASHGDN_BWD_FUSED", value)
+        assert cli.flashgdn_backward().startswith("fused") == fused, value
+    monkeypatch.delenv("FLASHGDN_BWD_FUSED")
+    assert cli.flashgdn_backward() == "staged"
+    hdr = {"gpu": "G", "date": "D", "flashgdn_precision": "fast", "flashgdn_backward": "staged"}
+    md = R.markdown(hdr, [], {})
+    assert "| flashgdn_precision | fast |" in md and "| flashgdn_backward | staged |" in md
+
+
 def test_degenerate_keys_script_runs_on_the_cpu_backend():
     """bench/degenerate_keys.py (the GPU levels on repeated keys, beta 0.99) runs end to end on the
     CPU backend: a row per (keys, level), six finite errors each, at the fp32 backend's floor."""
