@@ -64,7 +64,7 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
       int64_t k = (sms - sms / 8) / c;
       if (k < 2 && 2 * c <= sms) k = 2;
       if (automatic && k < 2) return d;
-      k = std::max<int64_t>(automatic ? 2 : kDhMinSegments - 1, k);
+      if (!automatic) k = std::max<int64_t>(k, kDhMinSegments - 1);
       // Phase 1 walks the last segment whole and the others' transfers, carry-only walks at r of
       // a whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
       // neither phase 1 part waits for the other. L = ceil(longest / (k + r)).
