@@ -111,11 +111,11 @@ def _driver() -> str:
 
 def flashgdn_backward() -> str:
     """Which backward flashgdn's calls take: the fused reverse kernel while it is validated behind
-    FLASHGDN_BWD_FUSED=1 (it serves `fast`, bf16, K = V = 128; other calls keep the staged one),
+    FLASHGDN_BWD_FUSED=1 (it serves `fast` and `default`, bf16, K = V = 128; other calls keep the staged one),
     else the staged kernels. Read as the library reads it (std::atoi of the value equal to 1)."""
     m = re.match(r"\s*[+-]?\d+", os.environ.get("FLASHGDN_BWD_FUSED", ""))
     if m is not None and int(m.group()) == 1:
-        return "fused where it applies (FLASHGDN_BWD_FUSED=1: fast, bf16, K = V = 128), else staged"
+        return "fused where it applies (FLASHGDN_BWD_FUSED=1: fast and default, bf16, K = V = 128), else staged"
     return "staged"
 
 

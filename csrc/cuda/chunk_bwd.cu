@@ -173,7 +173,7 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   P.h = reinterpret_cast<float*>(w + L.off[kH]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
   if (P.num_chunks > 0)
-    bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
+    bwd::launch_bwd_states(p, in, P, /*h16=*/true, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
   P.slot0 = 0;
   P.slots = P.num_chunks;
   bwd::FusedBuffers B{};
@@ -274,7 +274,9 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.img = reinterpret_cast<uint8_t*>(w + L.img);
 
   const bool any_chunks = P.num_chunks > 0;
-  if (any_chunks) bwd::launch_bwd_states(p, in, P, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
+  if (any_chunks)
+    bwd::launch_bwd_states(p, in, P, bwd::states_in_bf16(P.precision_fast != 0, P.qkv_dtype),
+                           reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
   P.blocked = L.blocks.count > 1;
   float* carry[2] = {reinterpret_cast<float*>(w + L.carry[0]), reinterpret_cast<float*>(w + L.carry[1])};
   for (int64_t blk = L.blocks.count - 1; blk >= 0; --blk) {  // the last block first: dS flows down

@@ -298,9 +298,10 @@ void launch_per_chunk(Kernel kernel, int threads, size_t smem, const BwdParams& 
 
 // ---- host-side launchers (one per file) -------------------------------------------------------
 // chunk-start states h by the Hopper forward (first_row: [N] int64 scratch; fwd_workspace:
-// states_workspace_bytes(p, in) bytes)
+// states_workspace_bytes(p, in) bytes), stored in bf16 where h16 (the staged kernels:
+// states_in_bf16; the fused kernel: always, it reads them as bf16 tiles)
 size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
-void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, int64_t* first_row,
+void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, bool h16, int64_t* first_row,
                        void* fwd_workspace, cudaStream_t s);
 void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images

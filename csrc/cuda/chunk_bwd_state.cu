@@ -48,7 +48,7 @@ size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
   return sm90::chunk_states_workspace_bytes(p, in);
 }
 
-void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, int64_t* first_row,
+void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, bool h16, int64_t* first_row,
                        void* fwd_workspace, cudaStream_t s) {
   if (P.N == 0) return;
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
@@ -56,9 +56,9 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   // `high` states (within ~5e-6 of the float64 ones) keep every gradient at its output's rounding
   // floor at the `default` and `high` levels; the `fast` level takes the `fast` kernel's states
   // (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg 3.8e-3 ->
-  // 4.6e-3: bench/NOTES.md, step 14).
+  // 4.6e-3: bench/NOTES.md, step 14; the fused backward likewise, results/h200-2026-11-29/
+  // fused-default-precision.md).
   const bool fast = P.precision_fast != 0;
-  const bool h16 = states_in_bf16(fast, P.qkv_dtype);
   const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
   const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));

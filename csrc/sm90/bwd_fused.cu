@@ -1,5 +1,7 @@
-// Backward at `fast` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128, bf16:
-//   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu, as the staged chain)
+// Backward at `fast` and `default` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128,
+// bf16:
+//   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu: the forward's `fast` kernel at
+//               `fast`, its `high` one at `default`)
 //   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
 //               bf16 in slot layout (zero past the length), K K^T once, then per value head c
 //               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
@@ -53,7 +55,7 @@ sm90::TileMap slot_map(const void* data, int64_t rows, int64_t heads) {
 
 bool fused_backward_applies(const Problem& p) {
   const char* e = std::getenv("FLASHGDN_BWD_FUSED");
-  return e != nullptr && std::atoi(e) == 1 && p.precision == FGDN_PRECISION_FAST && p.qkv_dtype == FGDN_BFLOAT16 &&
+  return e != nullptr && std::atoi(e) == 1 && p.precision != FGDN_PRECISION_HIGH && p.qkv_dtype == FGDN_BFLOAT16 &&
          p.K == kD && p.V == kD && (num_chunk_slots(p) + 1) * p.Hv * kD < (int64_t{1} << 31);  // 32-bit unit rows
 }
 
@@ -127,18 +129,21 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.cp_maps = F.maps;
   K.cp_seeds = F.seeds;
   K.bound = F.bound;
+  // `default` splits T diag(beta) into hi + lo bf16 halves (fk::fused_bwd's kSplitTb); `fast`
+  // stages it single, as every other intermediate.
+  const auto kernel = P.precision_fast ? fk::fused_bwd<false> : fk::fused_bwd<true>;
   constexpr size_t kSmem = sizeof(fk::Smem) + 1024;
-  set_dynamic_smem(fk::fused_bwd, kSmem);
+  set_dynamic_smem(kernel, kSmem);
   if (P.N > 0 && P.Hv > 0) {  // a CTA a chain or segment (sequences of no chunks too: dh0 = dht)
     const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);
     if (F.seg_chunks > 0) {
       K.phase = 1;
-      fk::fused_bwd<<<dim3(N, Hv, 2 * F.segments), fk::kThreads, kSmem, s>>>(K);
+      kernel<<<dim3(N, Hv, 2 * F.segments), fk::kThreads, kSmem, s>>>(K);
       FGDN_CHECK_LAUNCH("bwd fused (CP transfers)");
       launch_fused_cp_scan(K, P.N, P.Hv, s);
     }
     K.phase = 0;
-    fk::fused_bwd<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
+    kernel<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
   }
   if (slots > 0) launch_fused_reduce(P, F, s);

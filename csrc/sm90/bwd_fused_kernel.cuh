@@ -114,7 +114,7 @@ __device__ __forceinline__ void each_carry(F&& f) {
 // gradient is written, and the producer loads no v, S0. An instantiation of its own, chosen once
 // at the kernel's top: branches between products at run time left ptxas unable to follow them
 // (serialised wgmma, spills), and values kept across the roles' register split were spilled.
-template <bool kCarryOnly>
+template <bool kCarryOnly, bool kSplitTb>
 __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h, int seg, bool zero_do) {
   constexpr bool transfer = kCarryOnly;  // no gradient written
   extern __shared__ __align__(16) uint8_t raw[];
@@ -357,9 +357,12 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           emit(S.t21);
           fence_proxy_async();
         }
-        if (s == 4) {  // P5: dR = Tb^T dVn; dv to out
+        if (s == 4) {  // P5: dR = Tb^T dVn (kSplitTb: + Tb_lo^T dVn); dv to out
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
                          false);
+          if constexpr (kSplitTb)
+            mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); },
+                           [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, true);
           if (!transfer) {
             emit(S.out);
             fence_proxy_async();
@@ -497,14 +500,18 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           }
           fence_proxy_async();
         }
-        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta), while P4 runs
+        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kSplitTb: hi in t12, lo in t13), while P4 runs
           const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
 #pragma unroll
           for (int e = 0; e < 32; e += 2) {
             const int r = frow(fr, e), col = fcol(fr, e);
             const float2 a = fld2(S.ar, fr, e);
-            fst2(S.t12, fr, e, gam_at(cf, e, r, col) * a.x * col_of(bf, e),
-                 gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1));
+            const float t0 = gam_at(cf, e, r, col) * a.x * col_of(bf, e);
+            const float t1 = gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1);
+            fst2(S.t12, fr, e, t0, t1);
+            if constexpr (kSplitTb)  // lo = Tb - bf16(Tb)
+              fst2(S.t13, fr, e, t0 - __bfloat162float(__float2bfloat16_rn(t0)),
+                   t1 - __bfloat162float(__float2bfloat16_rn(t1)));
           }
           fence_proxy_async();
         }
@@ -529,6 +536,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
                         false);
           mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          false);
+          if constexpr (kSplitTb)  // + Tb_lo R
+            mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t13, 64, k); },
+                           [&](int k) { return mnmaj(dd, S, S.t22, 64, k); }, true);
           role_sync(kBarR);  // every R warp has read dVn from t21 before it becomes Vn
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
@@ -721,6 +731,11 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   }
 }
 
+// kSplitTb (`default`): T diag(beta) staged as hi + lo bf16 halves (t12, t13), so the two products
+// that take it (P5: dR = Tb^T dVn, the dv; P7: Vn = Tb R) carry its fp32 value. Of the staged
+// values the one that moves the most gradients for the least room: 8 KB in t13, which is free from
+// stage 15 to stage 6 (bench/fused-backward.md, "Precision").
+template <bool kSplitTb>
 __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
   // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
   // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.seg_chunks > 0) segment
@@ -732,8 +747,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
   const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
   const WalkKind kind = walk_kind(P, n_seq, h, seg, phase1, zero_do);
   if (kind == WalkKind::kTransfer)
-    fused_walk<true>(P, n_seq, h, seg, zero_do);
+    fused_walk<true, kSplitTb>(P, n_seq, h, seg, zero_do);
   else if (kind != WalkKind::kNone)
-    fused_walk<false>(P, n_seq, h, seg, zero_do);
+    fused_walk<false, kSplitTb>(P, n_seq, h, seg, zero_do);
 }
 }  // namespace flashgdn::sm90::fused_bwd

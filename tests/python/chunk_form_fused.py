@@ -201,18 +201,20 @@ def backward_segments(q, k, v, g, beta, scale, s0, do, dht, seg_chunks, rnd=exac
 
 
 # ---- two CTAs a chain, one per half of the value columns (bench/fused-backward.md) -------------
-def chunk_backward_halves(Q, K, V, gc, B, dO, S0, dS, scale, halves=2, exchange=True):
+def chunk_backward_halves(Q, K, V, gc, B, dO, S0, dS, scale, halves=2, exchange=True, partials=False):
     """chunk_backward's outputs as `halves` CTAs of one chain would form them, each owning a block
     of the value columns (V, dO, S0, dS and every V-wide intermediate of its block): dS's columns
-    evolve independently, so the carry, dv and the V-wide products stay in their block. What is
-    exchanged (each CTA computing the rest whole): the blocks of Vn, dVn and R (for P6's dT~ and
-    P8's dP, which contract over V; each CTA loads the whole dO), or equivalently the blocks'
-    partial dT~ and dP (64 x 64 each), summed. What is summed over the blocks:
-    the partial products that contract over V (P9's dK~, P10's dQ~, P11's dK term) and the dc
-    terms made of them (<dS, S0>, dR's row sums), as dq, dk partials and dc partials. The terms
-    without V (P12, P14, P19, dbeta, Gam's dc terms) are formed once, by block 0. exchange=False:
-    block 0 forms dT~ and dP from its own columns alone (what a kernel without the exchange would
-    compute; tests show it is wrong)."""
+    evolve independently, so the carry, dv and the V-wide products stay in their block. What mixes
+    the blocks is dT~ = dVn R^T (P6) and dP = dO Vn^T (P8), which contract over V, and the partial
+    products that contract over V (P9's dK~, P10's dQ~, P11's dK term) with the dc terms made of
+    them (<dS, S0>, dR's row sums), summed over the blocks as dq, dk and dc partials.
+    Two ways to form the terms after dT~ and dP (P12, P14-P16, P19, dbeta, Gam's dc terms):
+    exchange=True: the blocks exchange Vn, dVn and R (or their partial dT~, dP) and block 0 forms
+    those terms once from the whole dT~ and dP. partials=True: no exchange; every term after dT~ and
+    dP is linear in them, so each block forms them from its own partial dT~_j = dVn_j R_j^T and
+    dP_j = dO_j Vn_j^T, and the blocks' dq, dk, dbeta, dc partials are summed (the V-free products
+    done once a block). exchange=False, partials=False: block 0 forms them from its own columns
+    alone (what a kernel that skipped both would compute; tests show it is wrong)."""
     c, gam = _gates(gc)
     ec, eL = np.exp(c), np.exp(c[-1])
     ktil = K * np.exp(c[-1] - c)[:, None]
@@ -222,49 +224,56 @@ def chunk_backward_halves(Q, K, V, gc, B, dO, S0, dS, scale, halves=2, exchange=
     t = gam * ar
     tb = t * B[None, :]
     cols = np.array_split(np.arange(V.shape[1]), halves)
-    # Each block's own V-wide values, then the exchange.
-    own = []
+    own = []  # each block's own V-wide values
     for j in cols:
         ks = K @ S0[:, j]
         r = V[:, j] - ec[:, None] * ks
         dvn = ktil @ dS[:, j] + p.T @ dO[:, j]
         own.append(dict(j=j, ks=ks, r=r, vn=tb @ r, dvn=dvn))
-    mine = own if exchange else own[:1]
-    vn = np.concatenate([o["vn"] for o in mine], 1)    # exchanged
-    dvn = np.concatenate([o["dvn"] for o in mine], 1)  # exchanged
-    r = np.concatenate([o["r"] for o in mine], 1)      # exchanged
-    dtb = dvn @ r.T                                    # P6, whole in each block
-    dpm = dO[:, np.concatenate([o["j"] for o in mine])] @ vn.T  # P8, whole (dO loaded whole)
-    gp = scale * np.tril(dpm) * gam
-    dt = dtb * B[None, :]
-    dar = np.tril(dt * gam, -1)
-    da0 = -np.tril((ar.T @ dar) @ ar.T, -1)
-    dkk = da0 * B[:, None]
-    dq = np.zeros_like(Q)
-    dk = np.zeros_like(K)
+
+    def tail(dtb, dpm):
+        """The terms after dT~ and dP, all linear in them: dq, dk, dc and dbeta contributions."""
+        gp = scale * np.tril(dpm) * gam
+        dt = dtb * B[None, :]
+        dar = np.tril(dt * gam, -1)
+        da0 = -np.tril((ar.T @ dar) @ ar.T, -1)
+        dkk = da0 * B[:, None]
+        pp = np.tril(dpm) * p
+        tt = np.tril(dt * t, -1)
+        dc = pp.sum(1) - pp.sum(0) + tt.sum(1) - tt.sum(0)
+        dbeta = (dtb * t).sum(0) + (da0 * kk).sum(1)
+        return gp @ K, gp.T @ Q + (dkk + dkk.T) @ K, dc, dbeta     # P12; P14, P19
+
+    def partial(blocks):
+        """dT~ and dP from the named blocks' columns."""
+        dvn = np.concatenate([o["dvn"] for o in blocks], 1)
+        r = np.concatenate([o["r"] for o in blocks], 1)
+        vn = np.concatenate([o["vn"] for o in blocks], 1)
+        return dvn @ r.T, dO[:, np.concatenate([o["j"] for o in blocks])] @ vn.T  # P6, P8
+
+    if partials:
+        tails = [tail(*partial([o])) for o in own]
+    else:
+        tails = [tail(*partial(own if exchange else own[:1]))]
+    dq = sum(x[0] for x in tails)
+    dk = sum(x[1] for x in tails)
+    dc = sum(x[2] for x in tails)
+    dbeta = sum(x[3] for x in tails)
     dv = np.zeros_like(V)
     dS_prev = np.zeros_like(dS)
-    dc = np.zeros(len(gc))
-    for b, o in enumerate(own):
+    for o in own:
         j = o["j"]
         dr = tb.T @ o["dvn"]                         # P5 (own columns): dv
         dv[:, j] = dr
         dvg = -ec[:, None] * dr
         dktil = o["vn"] @ dS[:, j].T                 # P9 partial
         dqt = dO[:, j] @ S0[:, j].T                  # P10 partial
-        dq += scale * ec[:, None] * dqt
-        dk += dvg @ S0[:, j].T + np.exp(c[-1] - c)[:, None] * dktil  # P11 partial, dK~ partial
+        dq = dq + scale * ec[:, None] * dqt
+        dk = dk + dvg @ S0[:, j].T + np.exp(c[-1] - c)[:, None] * dktil  # P11 partial, dK~ partial
         dS_prev[:, j] = eL * dS[:, j] + K.T @ dvg + Q.T @ (scale * ec[:, None] * dO[:, j])  # P13, P18
-        dc += (dqt * qtil).sum(1) - (dr * (ec[:, None] * o["ks"])).sum(1)
+        dc = dc + (dqt * qtil).sum(1) - (dr * (ec[:, None] * o["ks"])).sum(1)
         kt = (dktil * ktil).sum(1)
-        dc -= kt
+        dc = dc - kt
         dc[-1] += kt.sum() + eL * (dS[:, j] * S0[:, j]).sum()
-        if b == 0:  # the terms without V, once
-            dq += gp @ K                             # P12
-            dk += gp.T @ Q + (dkk + dkk.T) @ K       # P14, P19
-            pp = np.tril(dpm) * p
-            tt = np.tril(dt * t, -1)
-            dc += pp.sum(1) - pp.sum(0) + tt.sum(1) - tt.sum(0)
-    dbeta = (dtb * t).sum(0) + (da0 * kk).sum(1)
     dg = np.cumsum(dc[::-1])[::-1]
     return dq, dk, dv, dg, dbeta, dS_prev

@@ -713,3 +713,21 @@ def test_degenerate_keys_script_runs_on_the_cpu_backend():
     for row in rows:
         errs = [float(x) for x in row[2:]]
         assert len(errs) == 6 and all(math.isfinite(e) and e < 5e-3 for e in errs), row
+
+
+def test_grad_precision_parses_variants_and_layouts():
+    """bench/grad_precision.py: a variant is a level with optional VAR=VAL pairs the library reads
+    at each call; a layout is 'check' or NxT; anything else is refused naming the option."""
+    sys.path.insert(0, str(BENCH_DIR))
+    import grad_precision as gp
+    from gdnbench import configs as C
+    assert gp.parse_variant("default") == ("default", {})
+    assert gp.parse_variant("fast:FLASHGDN_BWD_FUSED=1;X=y") == ("fast", {"FLASHGDN_BWD_FUSED": "1", "X": "y"})
+    for bad in ("medium", "fast:FLASHGDN_BWD_FUSED"):
+        with pytest.raises(SystemExit, match="--variants"):
+            gp.parse_variant(bad)
+    assert gp.parse_layout("check") == C.CHECK_LAYOUT
+    assert gp.parse_layout("1x2048") == C.seq(2048)
+    assert gp.parse_layout("4x512") == C.varlen(4, 512)
+    with pytest.raises(SystemExit, match="--layouts"):
+        gp.parse_layout("2048")

@@ -1,7 +1,8 @@
 """The fused Hopper backward (csrc/sm90/bwd_fused*, issue 36) while it is validated behind
-FLASHGDN_BWD_FUSED=1: at precision "fast", bf16, K = V = 128, every gradient against the float64
-oracle within the suite's bounds (whole tensor and per (sequence, head) slice), for each option
-the backward has; and the same bits on a second run. GPU only."""
+FLASHGDN_BWD_FUSED=1: at precision "fast" and "default", bf16, K = V = 128, every gradient against
+the float64 oracle within the suite's bounds (whole tensor and per (sequence, head) slice), for
+each option the backward has; the same bits on a second run; `default`'s split T diag(beta) in
+effect. GPU only."""
 import os
 
 import pytest
@@ -22,9 +23,12 @@ def fused(monkeypatch):
     monkeypatch.setenv("FLASHGDN_BWD_FUSED", "1")
 
 
-def backward(c, do, dht):
-    """The low-level backward at "fast" into NaN-poisoned buffers (an element not written shows)."""
-    return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision="fast", **c.lowlevel_kwargs(),
+LEVELS = ("fast", "default")
+
+
+def backward(c, do, dht, level="fast"):
+    """The low-level backward at `level` into NaN-poisoned buffers (an element not written shows)."""
+    return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, **c.lowlevel_kwargs(),
                                       **poisoned_grads(c))
 
 
@@ -37,7 +41,7 @@ def inputs_of(c, seed=7):
     return do, dht
 
 
-def check_grads(c, gr, do, dht, ctx):
+def check_grads(c, gr, do, dht, ctx, level="fast"):
     """Every gradient against the oracle within the suite's bounds; dg, dA_log and ddt_bias (token
     sums that cancel, docs/reliability.md D1) within the bound or 2x the staged backward's error on
     the same inputs: `fast`'s staged backward exceeds 1.2e-2 on some seeds too (dA_log up to 4.5e-2
@@ -56,26 +60,42 @@ def check_grads(c, gr, do, dht, ctx):
         if name in ("dg", "dA_log", "ddt_bias"):
             if staged is None:
                 os.environ["FLASHGDN_BWD_FUSED"] = "0"
-                staged = backward(c, do, dht)
+                staged = backward(c, do, dht, level)
                 os.environ["FLASHGDN_BWD_FUSED"] = "1"
             bound = max(bound, 2.0 * _rel(to_f64(getattr(staged, name)), ref[name]))
-        check(name, x, ref[name], c, bound, context=f"{ctx} seed={c.seed}")
+        check(name, x, ref[name], c, bound, context=f"{ctx} {level} seed={c.seed}")
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("opt", ["plain"] + OPTIONS)
-def test_fused_options_varlen_gva(opt):
+def test_fused_options_varlen_gva(opt, level):
     """Varlen with an empty sequence, one-token and partial chunks; GVA (two value heads a q/k head)."""
     c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV,
                   **option_kwargs(opt, 0.07))
     do, dht = inputs_of(c)
-    check_grads(c, backward(c, do, dht), do, dht, opt)
+    check_grads(c, backward(c, do, dht, level), do, dht, opt, level)
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("B,T,Hq,Hv", [(2, 300, 2, 4), (1, 1024, 4, 4), (3, 64, 1, 2)])
-def test_fused_dense(B, T, Hq, Hv):
+def test_fused_dense(B, T, Hq, Hv, level):
     c = make_case(B=B, T=T, Hq=Hq, Hv=Hv, K=128, V=128, device=DEV, l2norm=True)
     do, dht = inputs_of(c)
-    check_grads(c, backward(c, do, dht), do, dht, f"dense {B}x{T} {Hq}/{Hv}")
+    check_grads(c, backward(c, do, dht, level), do, dht, f"dense {B}x{T} {Hq}/{Hv}", level)
+
+
+def test_fused_default_splits_tb():
+    """`default` stages T diag(beta) as hi + lo halves (bwd_fused_kernel.cuh, kSplitTb): dv, which
+    takes no chunk-start state (dv = (T diag(beta))^T dVn), then differs from `fast`'s and is closer
+    to the oracle (by the CPU emulation ~11%, bench/fused-backward.md "Precision"). Without the
+    split the two levels' dv would be the same bits."""
+    c = make_case(B=1, T=1024, Hq=2, Hv=8, K=128, V=128, device=DEV, l2norm=True)
+    do, dht = inputs_of(c)
+    ref = oracle_backward(c, do, dht)["dv"]
+    fast, default = (backward(c, do, dht, lv).dv for lv in ("fast", "default"))
+    assert not torch.equal(fast, default)
+    e_fast, e_default = _rel(to_f64(fast), ref), _rel(to_f64(default), ref)
+    assert e_default < 0.97 * e_fast, (e_default, e_fast)
 
 
 def test_fused_dense_head_first():
@@ -106,17 +126,19 @@ def test_fused_state_pool_and_no_dht(monkeypatch):
               context="pool, against the staged backward")
 
 
-def test_fused_same_bits():
+@pytest.mark.parametrize("level", LEVELS)
+def test_fused_same_bits(level):
     c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[300, 77], device=DEV, l2norm=True, gate_in_kernel=True)
     do, dht = inputs_of(c)
-    a, b = backward(c, do, dht), backward(c, do, dht)
+    a, b = backward(c, do, dht, level), backward(c, do, dht, level)
     for name in GRADS:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None and y is None) or torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("layout", ["varlen", "dense", "many_chains"])
-def test_fused_reverse_cp(layout):
+def test_fused_reverse_cp(layout, level):
     """The fused walk split into segments (cp_segment=1024: 16 chunks; bwd_fused.cu 3a-3c): the
     transfers A_s, B_s, the scan and the segment walks, against the oracle and against the same call
     unsplit (context_parallel=False), with the same bits on a second split call; automatic CP too.
@@ -139,15 +161,15 @@ def test_fused_reverse_cp(layout):
     do, dht = inputs_of(c)
 
     def run(**cp):
-        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision="fast", **c.lowlevel_kwargs(),
+        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, **c.lowlevel_kwargs(),
                                           **poisoned_grads(c), **cp)
 
     off = run(context_parallel=False)
     on = run(context_parallel=True, cp_segment=1024)
     again = run(context_parallel=True, cp_segment=1024)
     auto = run(context_parallel=None)
-    check_grads(c, on, do, dht, f"{layout} split")
-    check_grads(c, auto, do, dht, f"{layout} automatic")
+    check_grads(c, on, do, dht, f"{layout} split", level)
+    check_grads(c, auto, do, dht, f"{layout} automatic", level)
     ref = oracle_backward(c, do, dht)
     for name in GRADS:
         a, b, r = getattr(off, name), getattr(on, name), getattr(again, name)

@@ -98,21 +98,25 @@ def test_segments_give_the_walk(gates, seg_chunks):
 # ---- two CTAs a chain, one per half of the value columns -----------------------------------------
 @pytest.mark.parametrize("gates", sorted(GATES))
 @pytest.mark.parametrize("halves", [2, 4])
-def test_value_halves_give_the_chunk(gates, halves):
-    """A chunk's backward split over blocks of the value columns, with the exchange and the partial
-    sums chunk_backward_halves names, gives chunk_backward's six outputs (carry included) within
-    float64's rounding, on chunks of 64 tokens and of 1, under every gate regime."""
+@pytest.mark.parametrize("how", ["exchange", "partials"])
+def test_value_halves_give_the_chunk(gates, halves, how):
+    """A chunk's backward split over blocks of the value columns, with the exchange or with each
+    block's own partial dT~ and dP (no exchange: the terms after them are linear in them), and the
+    partial sums chunk_backward_halves names, gives chunk_backward's six outputs (carry included)
+    within float64's rounding, on chunks of 64 tokens and of 1, under every gate regime."""
     for T, seed in ((64, 5), (1, 6), (37, 8)):
         q, k, v, g, beta, scale, s0, do, dht = _case(T, 32, 32, gates, 1.0, seed=seed)
         whole = cf.chunk_backward(q, k, v, g, beta, do, s0, dht, scale)
-        split = cf.chunk_backward_halves(q, k, v, g, beta, do, s0, dht, scale, halves=halves)
+        split = cf.chunk_backward_halves(q, k, v, g, beta, do, s0, dht, scale, halves=halves,
+                                         partials=how == "partials")
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dS"), whole, split):
             assert np.abs(a - b).max() <= 1e-9 * max(np.abs(a).max(), 1e-300), f"{name} T={T}"
 
 
-def test_value_halves_need_the_exchange():
-    """Without the exchange (block 0 forming dT~ and dP from its own columns) dq, dk, dg and dbeta
-    are wrong: the test above would catch a kernel that skipped it. dv and the carry do not use it."""
+def test_value_halves_need_the_exchange_or_the_partials():
+    """With neither (block 0 forming dT~ and dP from its own columns, the others nothing after them)
+    dq, dk, dg and dbeta are wrong: the test above would catch a kernel that skipped both. dv and the
+    carry do not use them."""
     q, k, v, g, beta, scale, s0, do, dht = _case(64, 32, 32, "realistic", 1.0, seed=5)
     whole = cf.chunk_backward(q, k, v, g, beta, do, s0, dht, scale)
     alone = cf.chunk_backward_halves(q, k, v, g, beta, do, s0, dht, scale, exchange=False)
