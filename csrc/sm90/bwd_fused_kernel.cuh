@@ -1,8 +1,9 @@
-// The fused reverse kernel of the backward at `fast` (issue 36; bench/fused-backward.md): one CTA
-// of four warpgroups per (sequence, value head) walks the sequence's chunks last to first with the
-// carry dS = dL/dS (K x V, fp32, in registers), for K = V = 128, bf16. Each chunk runs the stage
-// table of tests/python/fused_schedule.py, op for op: 16 stages separated by mbarriers, products
-// on wgmma with bf16 operands and fp32 accumulation.
+// The fused reverse kernel of the backward at `fast` and `default` (issue 36; bench/fused-backward.md):
+// one CTA of four warpgroups per (sequence, value head) walks the sequence's chunks last to first
+// with the carry dS = dL/dS (K x V, fp32, in registers), for K = V = 128, bf16. Each chunk runs the
+// stage table of tests/python/fused_schedule.py, op for op (SCHEDULE; `default`'s T diag(beta) as
+// hi + lo: SCHEDULE_DEFAULT): 16 stages separated by mbarriers, products on wgmma with bf16
+// operands and fp32 accumulation.
 //   producer (warpgroup 3): warp 0 loads q, k, v, S0 (after stage 10) and dO, Ar (after 13) of the
 //            chunk before through TMA; warp 2 brings c and beta; warp 1 stores dk, dv, dq tiles;
 //   C (warpgroup 0): the carry: dS = e^{c_L} dS + K^T dVg + Q^T dOg, and <dS, S0> for dg;

@@ -299,6 +299,42 @@ def _dg(e):
 SCHEDULE: List[Op] = [v for v in list(globals().values()) if isinstance(v, Op)]
 
 
+# ---- `default`: T diag(beta) as hi + lo halves (the kernel's kSplitTb) ------------------------
+# The lo half lives in t13 from stage 2 to stage 5 (t13's other uses: stage 7's scratch, dAr from
+# stage 11, dkk's transpose at 14), and P5, P7 take both halves: two products each in the kernel.
+
+def _split(e, x):
+    """x as hi + lo, each staged as Tb is (16 bits in the kernel: together x to ~2^-16)."""
+    hi = e.rnd("Tb", x)
+    return hi, e.rnd("Tb", x - hi)
+
+
+@_op(2, "R", "Tb staged as hi + lo: t12, t13", ["ar", "gv"], ["t12", "t13"])
+def _tb_split(e):
+    g = _g(e)
+    e["t12"], e["t13"] = _split(e, (g["gam"] * e["ar"]) * g["beta"][None, :])
+
+
+@_op(4, "D", "P5: D.acc = Tb^T dVn, both halves (= dR = dv); dv to out", ["t12", "t13", "t21"], ["D.acc", "out"])
+def _p5_split(e):
+    dr = e["t12"].T @ e["t21"] + e["t13"].T @ e["t21"]
+    e["D.acc"] = dr
+    e["out"] = e.rnd("out", dr)
+
+
+@_op(5, "R", "P6: R.x = dVn R^T; P7: Vn = Tb R, both halves, staged in t21", ["t21", "t22", "t12", "t13"],
+     ["R.x", "R.wide", "t21"])
+def _p6_p7_split(e):
+    e["R.x"] = e["t21"] @ e["t22"].T
+    vn = e["t12"] @ e["t22"] + e["t13"] @ e["t22"]
+    e["R.wide"] = vn
+    e["t21"] = e.rnd("Vn", vn)
+
+
+_SPLIT = {_tb.name: _tb_split, _p5.name: _p5_split, _p6_p7.name: _p6_p7_split}
+SCHEDULE_DEFAULT: List[Op] = [_SPLIT.get(op.name, op) for op in SCHEDULE]
+
+
 # ---- the checks -------------------------------------------------------------------------------
 
 def _owner(buf: str) -> Optional[str]:
@@ -362,7 +398,7 @@ def run(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List
             if "out" in op.writes:  # what the store warp ships after this stage
                 if op.name == _emit_dk.name:
                     dk[pending_dk[0]:pending_dk[1]] = e.buf["out"]
-                elif op.name == _p5.name:
+                elif op.name in (_p5.name, _p5_split.name):
                     dv[a:b] = e.buf["out"]
                 else:
                     dq[a:b] = e.buf["out"]

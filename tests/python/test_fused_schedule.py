@@ -39,6 +39,23 @@ def test_the_table_has_no_hazards():
     assert fs.hazards(fs.SCHEDULE) == []
 
 
+def test_the_default_table_has_no_hazards_and_keeps_tb():
+    """`default`'s table (T diag(beta) as hi + lo in t12, t13; P5, P7 on both): no hazard, and with
+    Tb's staging the only rounding it computes the exact chunk form to the lo half's own rounding
+    (~2^-16 of Tb), where the `fast` table's single Tb leaves ~2^-9 in dv and dk."""
+    assert fs.hazards(fs.SCHEDULE_DEFAULT) == []
+    args = _inputs(150, 128, 128, "realistic", seed=3)
+    only_tb = lambda name, x: _bf16(name, x) if name == "Tb" else x  # noqa: E731
+    want = backward(*args)
+    split = fs.run(*args, rnd=only_tb, schedule=fs.SCHEDULE_DEFAULT)
+    single = fs.run(*args, rnd=only_tb)
+    for name, x, y, z in zip(NAMES, split, want, single):
+        err_split = np.linalg.norm(x - y) / np.linalg.norm(y)
+        assert err_split <= 1e-4, (name, err_split)
+        if name in ("dv", "dk"):
+            assert np.linalg.norm(z - y) / np.linalg.norm(y) > 20 * err_split, name
+
+
 def test_every_product_once():
     found = sorted(int(n) for op in fs.SCHEDULE for n in re.findall(r"P(\d+):", op.name))
     assert found == list(range(1, 20))
