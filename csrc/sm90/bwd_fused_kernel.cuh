@@ -47,7 +47,7 @@ __host__ __device__ constexpr uint32_t stage_arrivals(int s) {
   return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? 32 : 0);
 }
 // full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
-constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2;
+constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2, kFull2Arrivals = 1;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
@@ -66,7 +66,7 @@ struct alignas(1024) Smem {
   float c[64], beta[64];                 // c then beta (the producer's warp 2 stores them as one)
   float dc_R[64], dc_D[64], dbeta_R[64];
   float dcl_part[4], kt_part[4];
-  Mbarrier bar[kStages], full0, full1;
+  Mbarrier bar[kStages], full0, full1, full2;  // full2: q again after stage 5 (kSplit)
 };
 
 // The carry's element (a, v) = (64 m + row, 64 hf + col) of element e as an offset into a state
@@ -115,7 +115,7 @@ __device__ __forceinline__ void each_carry(F&& f) {
 // gradient is written, and the producer loads no v, S0. An instantiation of its own, chosen once
 // at the kernel's top: branches between products at run time left ptxas unable to follow them
 // (serialised wgmma, spills), and values kept across the roles' register split were spilled.
-template <bool kCarryOnly, bool kSplitTb>
+template <bool kCarryOnly, bool kSplit>
 __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h, int seg, bool zero_do) {
   constexpr bool transfer = kCarryOnly;  // no gradient written
   extern __shared__ __align__(16) uint8_t raw[];
@@ -138,6 +138,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
   if (tid == kStages) S.full0.init(kFull0Arrivals);
   if (tid == kStages + 1) S.full1.init(kFull1Arrivals);
+  if (tid == kStages + 2) S.full2.init(kFull2Arrivals);
   fence_barrier_init();
   if (zero_do) {  // dO stays zero: the producer loads none
     for (int j = tid; j < int(kTile / 16); j += kThreads) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
@@ -195,7 +196,13 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         load0(0);
         load1(0);
       }
-      for (int i = 0; i + 1 < N; ++i) {
+      for (int i = 0; i < N; ++i) {
+        if constexpr (kSplit) {  // q again once stage 5 is done with dVn's lo half in its tile
+          S.bar[5].wait(i & 1);
+          S.full2.arrive_expect_tx(kTile);
+          tile(S.q, P.tq, hq, i, &S.full2);
+        }
+        if (i + 1 == N) break;
         S.bar[10].wait(i & 1);
         load0(i + 1);
         S.bar[13].wait(i & 1);
@@ -354,16 +361,28 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         if (s == 2)  // P3: dVn += P^T dO
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.dO, 64, k); },
                          true);
-        if (s == 3) {  // dVn staged in t21
+        if (s == 3) {  // dVn staged in t21 (kSplit: its lo half in q's tile, which R is done with until
+                       // stage 9 and the producer loads again after stage 5)
           emit(S.t21);
+          if constexpr (kSplit) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; e += 2)
+                fst2(S.q, fr, e, acc[hf][e] - __bfloat162float(__float2bfloat16_rn(acc[hf][e])),
+                     acc[hf][e + 1] - __bfloat162float(__float2bfloat16_rn(acc[hf][e + 1])), hf);
+          }
           fence_proxy_async();
         }
-        if (s == 4) {  // P5: dR = Tb^T dVn (kSplitTb: + Tb_lo^T dVn); dv to out
+        if (s == 4) {  // P5: dR = Tb^T dVn (kSplit: both split); dv to out
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
                          false);
-          if constexpr (kSplitTb)
+          if constexpr (kSplit) {  // + Tb_lo^T dVn + Tb^T dVn_lo
             mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); },
                            [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, true);
+            mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
+                           [&](int k) { return mnmaj(dd, S, S.q, 64, k); }, true);
+          }
           if (!transfer) {
             emit(S.out);
             fence_proxy_async();
@@ -501,7 +520,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           }
           fence_proxy_async();
         }
-        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kSplitTb: hi in t12, lo in t13), while P4 runs
+        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kSplit: hi in t12, lo in t13), while P4 runs
           const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
 #pragma unroll
           for (int e = 0; e < 32; e += 2) {
@@ -510,7 +529,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
             const float t0 = gam_at(cf, e, r, col) * a.x * col_of(bf, e);
             const float t1 = gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1);
             fst2(S.t12, fr, e, t0, t1);
-            if constexpr (kSplitTb)  // lo = Tb - bf16(Tb)
+            if constexpr (kSplit)  // lo = Tb - bf16(Tb)
               fst2(S.t13, fr, e, t0 - __bfloat162float(__float2bfloat16_rn(t0)),
                    t1 - __bfloat162float(__float2bfloat16_rn(t1)));
           }
@@ -535,9 +554,12 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
           mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
                         false);
+          if constexpr (kSplit)  // + dVn_lo R^T
+            mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.q, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
+                          true);
           mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          false);
-          if constexpr (kSplitTb)  // + Tb_lo R
+          if constexpr (kSplit)  // + Tb_lo R
             mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t13, 64, k); },
                            [&](int k) { return mnmaj(dd, S, S.t22, 64, k); }, true);
           role_sync(kBarR);  // every R warp has read dVn from t21 before it becomes Vn
@@ -617,6 +639,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           mm128<0, 0, 8>(wide, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
                          false);
         if (s == 9) {  // dQ = scale e^c (.) dQ~; dg's Q~ term; Q copied to t21 (for the carry's P18)
+          if constexpr (kSplit) S.full2.wait(ph);  // q loaded again (dVn's lo half was in its tile)
           if (!transfer) {
             float rs[2] = {0.f, 0.f};
             const float fq[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
@@ -732,11 +755,12 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   }
 }
 
-// kSplitTb (`default`): T diag(beta) staged as hi + lo bf16 halves (t12, t13), so the two products
-// that take it (P5: dR = Tb^T dVn, the dv; P7: Vn = Tb R) carry its fp32 value. Of the staged
-// values the one that moves the most gradients for the least room: 8 KB in t13, which is free from
-// stage 15 to stage 6 (bench/fused-backward.md, "Precision").
-template <bool kSplitTb>
+// kSplit (`default`): T diag(beta) and dVn staged as hi + lo bf16 halves, so the products that
+// take them carry their fp32 values: Tb's lo half in t13 (free from stage 15 to stage 6) for P5
+// (dR = Tb^T dVn, the dv) and P7 (Vn = Tb R); dVn's in q's tile (R reads q at stages 0 and 9 only;
+// the producer loads it again after stage 5) for P5 and P6 (dT~ = dVn R^T, dbeta's T term and
+// dA's). bench/fused-backward.md, "Now".
+template <bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
   // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
   // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.seg_chunks > 0) segment
@@ -748,8 +772,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
   const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
   const WalkKind kind = walk_kind(P, n_seq, h, seg, phase1, zero_do);
   if (kind == WalkKind::kTransfer)
-    fused_walk<true, kSplitTb>(P, n_seq, h, seg, zero_do);
+    fused_walk<true, kSplit>(P, n_seq, h, seg, zero_do);
   else if (kind != WalkKind::kNone)
-    fused_walk<false, kSplitTb>(P, n_seq, h, seg, zero_do);
+    fused_walk<false, kSplit>(P, n_seq, h, seg, zero_do);
 }
 }  // namespace flashgdn::sm90::fused_bwd
