@@ -363,14 +363,19 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
                          true);
         if (s == 3) {  // dVn staged in t21 (kSplit: its lo half in q's tile, which R is done with until
                        // stage 9 and the producer loads again after stage 5)
-          emit(S.t21);
-          if constexpr (kSplit) {
+          if constexpr (kSplit) {  // hi to t21, lo to q, each pair's offset formed once for both
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-              for (int e = 0; e < 32; e += 2)
-                fst2(S.q, fr, e, acc[hf][e] - __bfloat162float(__float2bfloat16_rn(acc[hf][e])),
-                     acc[hf][e + 1] - __bfloat162float(__float2bfloat16_rn(acc[hf][e + 1])), hf);
+              for (int e = 0; e < 32; e += 2) {
+                const uint32_t o = foff(fr, e, 64, hf, 0);
+                const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[hf][e], acc[hf][e + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(S.t21) + o) = hi;
+                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(S.q) + o) =
+                    __floats2bfloat162_rn(acc[hf][e] - __low2float(hi), acc[hf][e + 1] - __high2float(hi));
+              }
+          } else {
+            emit(S.t21);
           }
           fence_proxy_async();
         }
