@@ -109,6 +109,12 @@ __device__ __forceinline__ void each_carry(F&& f) {
 
 
 
+// d, opaque to ptxas: what is derived from it is formed again where used, not kept across stages.
+__device__ __forceinline__ Descs opaque(Descs d) {
+  asm volatile("" : "+l"(d.k), "+l"(d.mn64), "+l"(d.mn128));
+  return d;
+}
+
 // The walk of one CTA. kCarryOnly: a transfer walk of phase 1 (WalkKind::kTransfer), the carry
 // alone: its chain needs P, Tb (R's stages 0-2, and Q copied for P18 at 9), dVn, dR, dVg, dOg (D's
 // stages 1-6, 13) and the carry's products; the other stages only meet at their barriers, no
@@ -155,24 +161,24 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   if (wg == 3) {  // ---- producer: loads (warp 0), stores (warp 1) ----------------------------
     setmaxnreg_dec<32>();
     chain();
-    if (warp == 0 && lane == 0) {
-      const int hq = h / P.group;
-      // A 64 x 128 tile of a slot-layout tensor: two 64-column boxes, each 64 rows x 128 bytes,
-      // the tile's two column blocks (its layout is the box's, swizzle included).
-      // Box (c0, head, row) through the map's dimension order (sm90/tma.h: a one-head map puts
-      // the rows first).
-      auto box = [&](bf16* dst, const TileMap& m, Mbarrier* bar, int c0, int head, int row, int b = 0) {
-        const TileMapOrder& o = m.order;
-        tma_load_4d(dst, &m.map, bar, c0, o.at(1, head, row, b), o.at(2, head, row, b), o.at(3, head, row, b));
-      };
-      // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
-      // tensor's (batch row n, tokens from 64 (N - 1 - i): dense only, rows past T read as zeros).
-      auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
-        const int row = direct ? (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
-        const int b = direct ? static_cast<int>(n_seq) : 0;
+    const int hq = h / P.group;
+    // A 64 x 128 tile of a slot-layout tensor: two 64-column boxes, each 64 rows x 128 bytes,
+    // the tile's two column blocks (its layout is the box's, swizzle included).
+    // Box (c0, head, row) through the map's dimension order (sm90/tma.h: a one-head map puts
+    // the rows first).
+    auto box = [&](bf16* dst, const TileMap& m, Mbarrier* bar, int c0, int head, int row, int b = 0) {
+      const TileMapOrder& o = m.order;
+      tma_load_4d(dst, &m.map, bar, c0, o.at(1, head, row, b), o.at(2, head, row, b), o.at(3, head, row, b));
+    };
+    // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
+    // tensor's (batch row n, tokens from 64 (N - 1 - i): dense only, rows past T read as zeros).
+    auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
+      const int row = direct ? (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
+      const int b = direct ? static_cast<int>(n_seq) : 0;
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
-      };
+      for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
+    };
+    if (warp == 0 && lane == 0) {
       auto load0 = [&](int i) {
         S.full0.arrive_expect_tx(transfer ? kLoad0Transfer : kLoad0);
         tile(S.q, P.tq, hq, i, &S.full0);
@@ -196,17 +202,21 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         load0(0);
         load1(0);
       }
-      for (int i = 0; i < N; ++i) {
-        if constexpr (kSplit) {  // q again once stage 5 is done with dVn's lo half in its tile
-          S.bar[5].wait(i & 1);
-          S.full2.arrive_expect_tx(kTile);
-          tile(S.q, P.tq, hq, i, &S.full2);
-        }
-        if (i + 1 == N) break;
+      for (int i = 0; i + 1 < N; ++i) {
         S.bar[10].wait(i & 1);
         load0(i + 1);
         S.bar[13].wait(i & 1);
         load1(i + 1);
+      }
+    } else if (warp == 3) {  // kSplit: q again once stage 5 is done with dVn's lo half in its tile
+      if constexpr (kSplit) {
+        if (lane == 0) {
+          for (int i = 0; i < N; ++i) {
+            S.bar[5].wait(i & 1);
+            S.full2.arrive_expect_tx(kTile);
+            tile(S.q, P.tq, hq, i, &S.full2);
+          }
+        }
       }
     } else if (warp == 2) {  // c, beta: 128 floats, four a lane, c then beta as in Smem
       for (int i = 0; i < N; ++i) {
@@ -491,7 +501,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   } else {  // ---- R: P, Tb, K S0, R, Vn, dP, dQ, dAr, X, dA, dbeta, dg ---------------------------
     setmaxnreg_inc<192>();
     chain();
-    const Descs dd = descs(S);
+    const Descs dd_role = descs(S);
     const Frag fr = frag();
     float p[32], x[32], wide[2][32];
     for (int i = 0; i < N; ++i) {
@@ -505,6 +515,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
       // product issued in one stage and waited for in a later one, and waits at every stage's end).
       auto stage = [&](auto stage_index) {
         constexpr int s = decltype(stage_index)::value;
+        // The descriptors afresh each stage (opaque to ptxas): kept from one stage to a later one, a
+        // 64-bit one was spilled once the split products came in.
+        const Descs dd = opaque(dd_role);
         if (s == 0) {  // P1: P = Q K^T; P4 (K S0, stage 3's) issued behind it, to run under stages 1-2
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.q, 64, k); }, [&](int k) { return kmaj(dd, S, S.k, 64, k); });
           if constexpr (transfer) {  // the carry needs P and Tb of R's work, nothing else
@@ -557,16 +570,18 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
-          mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
-                        false);
-          if constexpr (kSplit)  // + dVn_lo R^T
-            mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.q, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
-                          true);
-          mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
-                         false);
-          if constexpr (kSplit)  // + Tb_lo R
-            mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t13, 64, k); },
-                           [&](int k) { return mnmaj(dd, S, S.t22, 64, k); }, true);
+          if constexpr (kSplit)  // [dVn_hi dVn_lo] [R R]^T: one chain of 16 k-steps, the lo half's from q's tile
+            mm64<0, 0, 16>(x, [&](int k) { return k < 8 ? kmaj(dd, S, S.t21, 64, k) : kmaj(dd, S, S.q, 64, k - 8); },
+                           [&](int k) { return kmaj(dd, S, S.t22, 64, k & 7); }, false);
+          else
+            mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
+                          false);
+          if constexpr (kSplit)  // [Tb_hi Tb_lo] [R; R]: one chain of 8 k-steps
+            mm128<0, 1, 8>(wide, [&](int k) { return k < 4 ? kmaj(dd, S, S.t12, 64, k) : kmaj(dd, S, S.t13, 64, k - 4); },
+                           [&](int k) { return mnmaj(dd, S, S.t22, 64, k & 3); }, false);
+          else
+            mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
+                           false);
           role_sync(kBarR);  // every R warp has read dVn from t21 before it becomes Vn
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
