@@ -39,21 +39,31 @@ def test_the_table_has_no_hazards():
     assert fs.hazards(fs.SCHEDULE) == []
 
 
-def test_the_default_table_has_no_hazards_and_keeps_tb():
-    """`default`'s table (T diag(beta) as hi + lo in t12, t13; P5, P7 on both): no hazard, and with
-    Tb's staging the only rounding it computes the exact chunk form to the lo half's own rounding
-    (~2^-16 of Tb), where the `fast` table's single Tb leaves ~2^-9 in dv and dk."""
+def test_the_default_table_has_no_hazards_and_keeps_tb_and_dvn():
+    """`default`'s table (T diag(beta) as hi + lo in t12, t13; dVn in t21 and q's tile; P5, P6, P7
+    on both): no hazard, and with Tb's and dVn's staging the only roundings it computes the exact
+    chunk form to the lo halves' own rounding (~2^-16), where the `fast` table's single Tb and dVn
+    leave ~2^-9 in dv and dk."""
     assert fs.hazards(fs.SCHEDULE_DEFAULT) == []
     args = _inputs(150, 128, 128, "realistic", seed=3)
-    only_tb = lambda name, x: _bf16(name, x) if name == "Tb" else x  # noqa: E731
+    only = lambda name, x: _bf16(name, x) if name in ("Tb", "dVn") else x  # noqa: E731
     want = backward(*args)
-    split = fs.run(*args, rnd=only_tb, schedule=fs.SCHEDULE_DEFAULT)
-    single = fs.run(*args, rnd=only_tb)
+    split = fs.run(*args, rnd=only, schedule=fs.SCHEDULE_DEFAULT)
+    single = fs.run(*args, rnd=only)
     for name, x, y, z in zip(NAMES, split, want, single):
         err_split = np.linalg.norm(x - y) / np.linalg.norm(y)
         assert err_split <= 1e-4, (name, err_split)
         if name in ("dv", "dk"):
             assert np.linalg.norm(z - y) / np.linalg.norm(y) > 20 * err_split, name
+
+
+@pytest.mark.parametrize("name_start, stage", [("dVn staged as hi + lo", 2), ("P6: R.x", 6),
+                                               ("dQ~ to dQ", 8), ("P1:", 3)])
+def test_the_checker_guards_q_tile_alias(name_start, stage):
+    """dVn's lo half lives in q's tile from stage 3 to 5 and q is loaded again for stage 9: the
+    checker flags the lo half written or read outside those stages and q read in between."""
+    sched = [replace(op, stage=stage) if op.name.startswith(name_start) else op for op in fs.SCHEDULE_DEFAULT]
+    assert any("tile" in h for h in fs.hazards(sched)), name_start
 
 
 def test_every_product_once():
