@@ -110,13 +110,15 @@ def _driver() -> str:
 
 
 def flashgdn_backward() -> str:
-    """Which backward flashgdn's calls take: the fused reverse kernel while it is validated behind
-    FLASHGDN_BWD_FUSED=1 (it serves `fast` and `default`, bf16, K = V = 128; other calls keep the staged one),
-    else the staged kernels. Read as the library reads it (std::atoi of the value equal to 1)."""
-    m = re.match(r"\s*[+-]?\d+", os.environ.get("FLASHGDN_BWD_FUSED", ""))
-    if m is not None and int(m.group()) == 1:
-        return "fused where it applies (FLASHGDN_BWD_FUSED=1: fast and default, bf16, K = V = 128), else staged"
-    return "staged"
+    """Which backward flashgdn's calls take: the fused reverse kernel where it applies (`fast` and
+    `default`, bf16, K = V = 128; other calls take the staged one) unless FLASHGDN_BWD_FUSED reads
+    as 0, then the staged kernels. Read as the library reads it (unset, or std::atoi of the value
+    not 0)."""
+    value = os.environ.get("FLASHGDN_BWD_FUSED")
+    m = re.match(r"\s*[+-]?\d+", value or "")
+    if value is None or (m is not None and int(m.group()) != 0):
+        return "fused where it applies (fast and default, bf16, K = V = 128), else staged"
+    return "staged (FLASHGDN_BWD_FUSED=0)"
 
 
 def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:

@@ -54,8 +54,8 @@ sm90::TileMap slot_map(const void* data, int64_t rows, int64_t heads) {
 }  // namespace
 
 bool fused_backward_applies(const Problem& p) {
-  const char* e = std::getenv("FLASHGDN_BWD_FUSED");
-  return e != nullptr && std::atoi(e) == 1 && p.precision != FGDN_PRECISION_HIGH && p.qkv_dtype == FGDN_BFLOAT16 &&
+  const char* e = std::getenv("FLASHGDN_BWD_FUSED");  // "0": the staged kernels, for A/B runs
+  return (e == nullptr || std::atoi(e) != 0) && p.precision != FGDN_PRECISION_HIGH && p.qkv_dtype == FGDN_BFLOAT16 &&
          p.K == kD && p.V == kD && (num_chunk_slots(p) + 1) * p.Hv * kD < (int64_t{1} << 31);  // 32-bit unit rows
 }
 

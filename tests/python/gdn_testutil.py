@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -45,6 +46,16 @@ SLICED = ("o", "dq", "dk", "dv", "final_state", "dh0")
 
 def bounds_for(dtype: torch.dtype) -> Dict[str, float]:
     return BOUNDS_FP32 if dtype == torch.float32 else BOUNDS_LOWP
+
+
+def fused_backward_taken(dtype: torch.dtype, K: int, V: int, precision: str = "default") -> bool:
+    """Whether the CUDA backward takes the fused kernel (csrc/sm90/bwd_fused.cu,
+    fused_backward_applies): `fast` and `default`, bf16, K = V = 128, unless FLASHGDN_BWD_FUSED
+    reads as 0 (std::atoi, as the library reads it)."""
+    e = os.environ.get("FLASHGDN_BWD_FUSED")
+    m = re.match(r"\s*([+-]?\d+)", e or "")
+    off = e is not None and (m is None or int(m.group(1)) == 0)
+    return not off and precision != "high" and dtype == torch.bfloat16 and K == 128 and V == 128
 
 
 @dataclass

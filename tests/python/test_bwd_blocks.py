@@ -2,7 +2,9 @@
 block_plan): the per-chunk workspace holds one block, and the reverse pass carries dS from block
 to block in fp32, so blocks change no bit. Calls this small take one block; the test hook
 FLASHGDN_BWD_BLOCK_SLOTS forces blocks of a few slots. Every gradient must equal the one-block
-call's bit for bit, match the float64 oracle, and the forced blocks must take less memory."""
+call's bit for bit, match the float64 oracle, and the forced blocks must take less memory.
+The staged kernels' plan: FLASHGDN_BWD_FUSED=0 for every test here (the fused kernel, which takes
+bf16 K = V = 128 at `fast` and `default`, walks whole sequences and has no blocks)."""
 import os
 
 import pytest
@@ -20,6 +22,12 @@ pytestmark = [
 
 DEV = "cuda"
 ENV = "FLASHGDN_BWD_BLOCK_SLOTS"
+
+
+@pytest.fixture(autouse=True)
+def staged(monkeypatch):
+    monkeypatch.setenv("FLASHGDN_BWD_FUSED", "0")
+
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 
 

@@ -15,9 +15,9 @@ import torch
 
 import flashgdn
 from flashgdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
-from flashgdn.reference import reference_forward
-from gdn_testutil import (OPTIONS, bounds_for, check, check_all, loss_and_grads, lowlevel_fwd_bwd, make_case,
-                          nan_like, option_kwargs, oracle_backward, oracle_forward)
+from flashgdn.reference import reference_forward, to_f64
+from gdn_testutil import (OPTIONS, _rel, bounds_for, check, check_all, fused_backward_taken, loss_and_grads,
+                          lowlevel_fwd_bwd, make_case, nan_like, option_kwargs, oracle_backward, oracle_forward)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -455,10 +455,24 @@ def test_backward_reverse_cp(gates, l2norm):
     on = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
     again = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
     torch.cuda.synchronize()
+    rb = oracle_backward(c, do, dht)
+    fused = fused_backward_taken(c.q.dtype, 128, 128)
     for name, a, b, r in zip(off._fields, off, on, again):
         if a is None:
             continue
         assert torch.equal(b, r), f"{name}: two split calls differ (seed {c.seed})"
+        if fused:
+            # The fused walk's seeds (an fp32 scan of transfers walked with bf16 mirrors of dS)
+            # round differently from the unsplit carry, not worse: the split call's error against
+            # the oracle within 1.25x the unsplit call's (dg, a sum of cancelling terms, 2x), the
+            # rule of test_bwd_fused.py's test_fused_reverse_cp; dA_log, ddt_bias to their bounds
+            # below.
+            if name in ("dA_log", "ddt_bias") or rb.get(name) is None:
+                continue
+            e_off, e_on = _rel(to_f64(a), rb[name]), _rel(to_f64(b), rb[name])
+            ratio = 2.0 if name == "dg" else 1.25
+            assert e_on <= ratio * e_off, f"{name}: split {e_on:.3e} against unsplit {e_off:.3e} (gates {gates})"
+            continue
         # dS's last bits differ between the split and the unsplit pass, and below `high` dqk and
         # wy take dS as 16-bit operands: a flipped rounding moves an element by up to 2^-8, so even
         # fp32 outputs differ at that level (dbeta 2.1-2.2e-4 on an H100, 2026-11-28, with and
@@ -467,7 +481,6 @@ def test_backward_reverse_cp(gates, l2norm):
         tol = 1e-3 if a.dtype == torch.float32 else 2e-3
         rel = ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-300)).item()
         assert rel < tol, f"{name}: split against unsplit {rel:.2e} >= {tol:.0e} (gates {gates}, seed {c.seed})"
-    rb = oracle_backward(c, do, dht)
     for key in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
         check(key, getattr(on, key), rb[key], c, bounds_for(c.q.dtype)[key], context=f"reverse CP, gates {gates}")
 
