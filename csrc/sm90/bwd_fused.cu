@@ -66,8 +66,11 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
   const int32_t out_count = dv_direct ? 2 : 3;
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
+  // The plan from the lengths where the call has them; the buffers for the most segments any
+  // lengths take, so that a workspace sized by the query (no lengths) always suffices.
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
-  const size_t cp = plan.segments > 1 ? static_cast<size_t>(p.N) * Hv * plan.segments * D * D * 4 : 0;
+  const int32_t capacity = fused_segments_capacity(p, sm_count(p.device_id));
+  const size_t cp = capacity > 1 ? static_cast<size_t>(p.N) * Hv * capacity * D * D * 4 : 0;
   const size_t sizes[FusedLayout::kCount] = {
       S * C * Hq * D * 2, S * C * Hq * D * 2,  // q16, k16
       vo, vo,                                  // v16, do16

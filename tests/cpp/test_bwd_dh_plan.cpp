@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <vector>
 
 #include "cuda/bwd_dh_plan.h"
 
@@ -147,6 +148,51 @@ TEST(BwdDhPlan, FusedWalksFillOneWave) {
     ASSERT_LT(d.chunks * (d.segments - 1), chunks);
     const int64_t walks = N * Hv * (d.segments - 1);
     ASSERT_LE(walks, d.segments > 3 ? sms - sms / 8 : sms) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+  }
+}
+
+// Packed sequences are cut by the longest one where the call has the lengths (a workspace query
+// has not: the packed total bounds it), and the workspace's capacity covers every plan of the shapes.
+TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
+  using flashgdn::cuda::bwd::dh_plan_segments;
+  using flashgdn::cuda::bwd::fused_segments_capacity;
+  auto packed = [](std::vector<int64_t> lens, int64_t Hv, bool have) {
+    Problem p = shape(static_cast<int64_t>(lens.size()), 0, Hv);
+    p.varlen = true;
+    p.B = 1;
+    p.cu = {0};
+    for (int64_t n : lens) p.cu.push_back(p.cu.back() + n);
+    p.T = p.cu.back();
+    p.have_host_seqlens = have;
+    return p;
+  };
+  // 2/4, four 8192-token sequences: 16 chains, seven walks a chain; by the packed total (512
+  // chunks) two segments of 70 chunks a sequence, by the sequences (128) eight of 18.
+  const Problem with = packed({8192, 8192, 8192, 8192}, 4, true), without = packed({8192, 8192, 8192, 8192}, 4, false);
+  EXPECT_EQ(dh_plan_segments(without, kH100Sms, true).chunks, 70);
+  EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).chunks, 18);
+  EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).segments, 8);
+  EXPECT_EQ(fused_segments_capacity(with, kH100Sms), 8);
+  std::mt19937_64 rng(20261130);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t N = 1 + static_cast<int64_t>(rng() % 12), Hv = 1 + static_cast<int64_t>(rng() % 64);
+    const int sms = 1 + static_cast<int>(rng() % 200);
+    std::vector<int64_t> lens;
+    for (int64_t n = 0; n < N; ++n) lens.push_back(static_cast<int64_t>(rng() % (1 << 17)));
+    Problem p = packed(lens, Hv, true);
+    const int mode = static_cast<int>(rng() % 3);
+    p.context_parallel = mode == 0 ? FGDN_CONTEXT_PARALLEL_AUTO : mode == 1 ? FGDN_CONTEXT_PARALLEL_ON : FGDN_CONTEXT_PARALLEL_OFF;
+    p.cp_segment = rng() % 4 == 0 ? 64 * static_cast<int64_t>(1 + rng() % 64) : 0;
+    const DhPlan d = dh_plan_segments(p, sms, true);
+    const int64_t longest = (*std::max_element(lens.begin(), lens.end()) + 63) / 64;
+    ASSERT_LE(d.segments, fused_segments_capacity(p, sms)) << "N " << N << " Hv " << Hv << " sms " << sms;
+    Problem q = p;
+    q.have_host_seqlens = false;
+    ASSERT_EQ(fused_segments_capacity(q, sms), fused_segments_capacity(p, sms));  // the query's size
+    if (d.segments > 1) {
+      ASSERT_GE(d.chunks * d.segments, longest);
+      ASSERT_LT(d.chunks * (d.segments - 1), longest);
+    }
   }
 }
 
