@@ -48,10 +48,13 @@ def bounds_for(dtype: torch.dtype) -> Dict[str, float]:
     return BOUNDS_FP32 if dtype == torch.float32 else BOUNDS_LOWP
 
 
-def fused_backward_taken(dtype: torch.dtype, K: int, V: int, precision: str = "default") -> bool:
+def fused_backward_taken(dtype: torch.dtype, K: int, V: int, precision: str = "default",
+                         gate_in_kernel: bool = False) -> bool:
     """Whether the CUDA backward takes the fused kernel (csrc/sm90/bwd_fused.cu,
-    fused_backward_applies): `fast` and `default`, bf16, K = V = 128, unless FLASHGDN_BWD_FUSED
-    reads as 0 (std::atoi, as the library reads it)."""
+    fused_backward_applies): `fast` and `default`, bf16, K = V = 128 (at `default` not with the
+    gate in the kernel), unless FLASHGDN_BWD_FUSED reads as 0 (std::atoi, as the library reads it)."""
+    if gate_in_kernel and precision == "default":
+        return False
     e = os.environ.get("FLASHGDN_BWD_FUSED")
     m = re.match(r"\s*([+-]?\d+)", e or "")
     off = e is not None and (m is None or int(m.group(1)) == 0)

@@ -456,7 +456,7 @@ def test_backward_reverse_cp(gates, l2norm):
     again = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, **kw, context_parallel=True, cp_segment=1024)
     torch.cuda.synchronize()
     rb = oracle_backward(c, do, dht)
-    fused = fused_backward_taken(c.q.dtype, 128, 128)
+    fused = fused_backward_taken(c.q.dtype, 128, 128, gate_in_kernel=c.use_gate_in_kernel)
     for name, a, b, r in zip(off._fields, off, on, again):
         if a is None:
             continue
