@@ -5,12 +5,12 @@ the peers', on the same inputs over several draws: the evidence for issue 36's p
 One process, one GPU. Inputs, oracle and calls are the benchmark's (gdnbench: realistic gates,
 bf16 q/k/v, h0 and dht, scale K^-0.5); each draw is a fresh seed. A flashgdn variant is a level
 and, optionally, environment variables the library reads at each call (the backward path:
-FLASHGDN_BWD_FUSED), written LEVEL or LEVEL:VAR=VAL;VAR=VAL. Prints, per head configuration,
+FLASHGDN_BWD_FUSED=0 for the staged kernels), written LEVEL or LEVEL:VAR=VAL;VAR=VAL. Prints, per head configuration,
 layout and q/k convention, each gradient's median and largest relative L2 error over the draws,
 and each flashgdn variant's median against the best peer's median (ratio <= 1: no worse).
 
     python bench/grad_precision.py --configs 16/64,2/8 --layouts 1x2048,check --seeds 4 \\
-        --variants "default,fast:FLASHGDN_BWD_FUSED=1" --peers flashqla [--out DIR]
+        --variants "default,fast,default:FLASHGDN_BWD_FUSED=0" --peers flashqla [--out DIR]
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=4, help="draws per cell")
     ap.add_argument("--first-seed", type=int, default=7,
                     help="the first draw's seed (7: the benchmark's accuracy check draws these inputs)")
-    ap.add_argument("--variants", default="default,fast:FLASHGDN_BWD_FUSED=1",
+    ap.add_argument("--variants", default="default,fast",
                     help="flashgdn variants, comma list of LEVEL[:VAR=VAL;VAR=VAL]")
     ap.add_argument("--peers", default="flashqla", help="comma list of flashqla, fla (those with a backward)")
     ap.add_argument("--out", default=None, help="folder for grad_precision.json and .md")

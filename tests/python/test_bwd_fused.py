@@ -1,5 +1,5 @@
-"""The fused Hopper backward (csrc/sm90/bwd_fused*, issue 36) while it is validated behind
-FLASHGDN_BWD_FUSED=1: at precision "fast" and "default", bf16, K = V = 128, every gradient against
+"""The fused Hopper backward (csrc/sm90/bwd_fused*, issue 36; the default path, FLASHGDN_BWD_FUSED=1 set
+here against a stray 0): at precision "fast" and "default", bf16, K = V = 128, every gradient against
 the float64 oracle within the suite's bounds (whole tensor and per (sequence, head) slice), for
 each option the backward has; the same bits on a second run; `default`'s split T diag(beta) in
 effect. GPU only."""
