@@ -10,7 +10,12 @@ inverse loses the gradient (bench/fused-backward.md, "Precision"). --halves pric
 CTAs a chain (one per half of the value columns) add to dq: its output written as two bf16
 partials, summed, then rounded, against one rounding of the whole.
 
+--dalog prices the fused `default`'s dg and what the gate in the kernel makes of it: per head
+sum_t dg_t g_t (dA_log's sum, as d g_t / d A_log = g_t), with one more staged value kept exact at a
+time (docs/reliability.md D7), over --seeds draws.
+
     python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B] [--halves]
+    python bench/fused_precision.py --dalog [--T 257] [--heads 4] [--seeds 4]
 """
 import argparse
 import os
@@ -50,6 +55,44 @@ def head_inputs(rng, T, K, A, keys="normal", beta_value=None):
     return q, k, v, g, beta, K ** -0.5, s0, do, dht
 
 
+_SPLIT = {"Tb", "dVn"}  # the fused `default` stages these as hi + lo
+DALOG_POLICIES = {
+    "fused `default` (every staged value but Tb, dVn)": (),
+    "+ S0 exact": ("S0",),
+    "+ dS mirror exact": ("dS_mirror",),
+    "+ S0, dS mirror exact": ("S0", "dS_mirror"),
+    "+ S0, dS mirror, dVg, dOg exact": ("S0", "dS_mirror", "dVg", "dOg"),
+    "+ P, dP exact": ("P", "dP"),
+    "+ KS, R, Vn exact": ("KS", "R", "Vn"),
+    "+ dAr, X, dAs exact": ("dAr", "X", "dAs"),
+}
+
+
+def dalog_table(T, n_heads, K, seeds):
+    """dg's and sum_t dg_t g_t's relative L2 errors against the unrounded backward, median (max)
+    over the seeds, per policy (the fused `default`'s staging, less the named values)."""
+    res = {label: ([], []) for label in DALOG_POLICIES}
+    for seed in range(seeds):
+        rng = np.random.default_rng(100 + seed)
+        A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, n_heads - 1))
+        heads = [head_inputs(rng, T, K, A[h]) for h in range(n_heads)]
+        exact = [cf.backward(*x) for x in heads]
+        da_exact = np.array([(e[3] * x[3]).sum() for e, x in zip(exact, heads)])
+        for label, keep in DALOG_POLICIES.items():
+            got = [cf.backward(*x, rnd=cf.staged(set(cf.STAGED) - _SPLIT - set(keep))) for x in heads]
+            dg = np.sqrt(sum(((g[3] - e[3]) ** 2).sum() for g, e in zip(got, exact)) /
+                         sum((e[3] ** 2).sum() for e in exact))
+            da = np.array([(g[3] * x[3]).sum() for g, x in zip(got, heads)])
+            res[label][0].append(dg)
+            res[label][1].append(np.linalg.norm(da - da_exact) / np.linalg.norm(da_exact))
+    print(f"T {T}, {n_heads} heads (A = 0 on head 0, 16 U(0, 1) on the others), K = V = {K}, {seeds} seeds; "
+          "relative L2 against the unrounded backward, median (max)")
+    print("| policy | dg | sum_t dg_t g_t a head (dA_log's) |")
+    print("|---|---|---|")
+    for label, (dg, da) in res.items():
+        print(f"| {label} | {np.median(dg):.2e} ({max(dg):.2e}) | {np.median(da):.2e} ({max(da):.2e}) |")
+
+
 def halves_dq(x):
     """dq exact, rounded once, and as the two value halves' bf16 partials summed and rounded: per
     chunk, half b's part of dQ~ = dO S0^T (its columns), block 0 also the terms without V."""
@@ -74,7 +117,12 @@ def main():
     ap.add_argument("--keys", choices=("normal", "identical", "alternating"), default="normal")
     ap.add_argument("--beta", type=float, default=None)
     ap.add_argument("--halves", action="store_true")
+    ap.add_argument("--dalog", action="store_true")
+    ap.add_argument("--seeds", type=int, default=4)
     a = ap.parse_args()
+    if a.dalog:
+        dalog_table(a.T, a.heads, a.K, a.seeds)
+        return
     rng = np.random.default_rng(2026)
     A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, a.heads - 1))
     heads = [head_inputs(rng, a.T, a.K, A[h], a.keys, a.beta) for h in range(a.heads)]

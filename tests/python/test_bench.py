@@ -715,6 +715,19 @@ def test_degenerate_keys_script_runs_on_the_cpu_backend():
         assert len(errs) == 6 and all(math.isfinite(e) and e < 5e-3 for e in errs), row
 
 
+def test_fused_precision_dalog_table():
+    """bench/fused_precision.py --dalog (docs/reliability.md D7's emulation) prints a row per policy
+    with finite, nonzero errors of dA_log's per-head sums (each policy rounds something)."""
+    r = subprocess.run([sys.executable, str(BENCH_DIR / "fused_precision.py"), "--dalog", "--T", "70", "--heads", "2",
+                        "--K", "16", "--seeds", "1"], capture_output=True, text=True, cwd=str(BENCH_DIR.parent),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| fused") or ln.startswith("| +")]
+    assert len(rows) == 8
+    da = [float(row[2].split()[0]) for row in rows]
+    assert all(math.isfinite(x) and 0 < x < 0.1 for x in da), rows
+
+
 def test_grad_precision_parses_variants_and_layouts():
     """bench/grad_precision.py: a variant is a level with optional VAR=VAL pairs the library reads
     at each call; a layout is 'check' or NxT; anything else is refused naming the option."""
