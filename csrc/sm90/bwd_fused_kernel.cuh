@@ -1,11 +1,12 @@
 // The fused reverse kernel of the backward at `fast` and `default` (issue 36; bench/fused-backward.md):
 // one CTA of four warpgroups per (sequence, value head) walks the sequence's chunks last to first
 // with the carry dS = dL/dS (K x V, fp32, in registers), for K = V = 128, bf16. Each chunk runs the
-// stage table of tests/python/fused_schedule.py, op for op (SCHEDULE; `default`'s T diag(beta) as
-// hi + lo: SCHEDULE_DEFAULT): 16 stages separated by mbarriers, products on wgmma with bf16
+// stage table of tests/python/fused_schedule.py, op for op (SCHEDULE; `default`'s T diag(beta) and
+// dVn as hi + lo: SCHEDULE_DEFAULT): 16 stages separated by mbarriers, products on wgmma with bf16
 // operands and fp32 accumulation.
 //   producer (warpgroup 3): warp 0 loads q, k, v, S0 (after stage 10) and dO, Ar (after 13) of the
 //            chunk before through TMA; warp 2 brings c and beta; warp 1 stores dk, dv, dq tiles;
+//            at `default` warp 3 loads q again after stage 5 (dVn's lo half lived in its tile);
 //   C (warpgroup 0): the carry: dS = e^{c_L} dS + K^T dVg + Q^T dOg, and <dS, S0> for dg;
 //   D (warpgroup 1): dVn = e^{c_L - c} (.) K dS + P^T dO, dR = Tb^T dVn (dv), dK;
 //   R (warpgroup 2): the recompute of P, Tb, K S0, R, Vn and dP, dQ, dAr, X, dA, dbeta, dg.
