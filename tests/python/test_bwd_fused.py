@@ -304,3 +304,31 @@ def test_saved_states_refused_where_the_backward_recomputes():
     saved = torch.zeros((6, 4, 128, 128), device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="saved_states"):
         _core.chunk_gated_delta_rule_fwd(*c.inputs(), saved_states=saved, **c.lowlevel_kwargs())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level", ["fast", "default", "high"])
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_saved_states_rows_mirror_the_library(D, gate, level, dtype, monkeypatch):
+    """_core.saved_states_rows (from the shapes, for the fake op) equals the library's
+    fgdn_saved_states_rows on the same call, dense and packed, with and without the switch."""
+    from flashgdn import _C, _core
+    for fused in (None, "0"):
+        if fused is None:
+            monkeypatch.delenv("FLASHGDN_BWD_FUSED", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_BWD_FUSED", fused)
+        for lengths in ([130, 0, 64, 1], None):
+            c = (make_case(Hq=2, Hv=4, K=D, V=D, lengths=lengths, device=DEV, dtype=dtype, gate_in_kernel=gate)
+                 if lengths else make_case(B=2, T=300, Hq=2, Hv=4, K=D, V=D, device=DEV, dtype=dtype,
+                                           gate_in_kernel=gate))
+            kw = _core._inputs(*c.inputs(), c.scale, c.initial_state, False, c.cu_seqlens, c.cu_seqlens_host,
+                               gate, c.A_log, c.dt_bias, None, False, False)
+            o = torch.empty(c.v.shape, dtype=c.q.dtype, device=DEV)
+            kw.update(output_final_state=False, checkpoint_every=0, precision=_core._precision(level),
+                      context_parallel=0, cp_segment=0, o=_core._desc("o", o))
+            with torch.cuda.device(c.q.device):
+                want = _C.saved_states_rows(**kw)
+            got = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, level, gate)
+            assert got == want, (D, gate, level, dtype, fused, lengths)
