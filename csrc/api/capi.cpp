@@ -104,6 +104,14 @@ fgdn_status fgdn_backward_workspace_size(const fgdn_bwd_args* args, size_t* byte
   });
 }
 
+fgdn_status fgdn_saved_states_rows(const fgdn_fwd_args* args, int64_t* rows) {
+  return guarded([&] {
+    if (rows == nullptr)
+      throw flashgdn::InvalidArgument("fgdn_saved_states_rows: argument 'rows': expected a pointer, got NULL");
+    *rows = flashgdn::saved_states_rows(flashgdn::validate_forward(args, flashgdn::Mode::kShapes, nullptr));
+  });
+}
+
 fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace, size_t workspace_bytes,
                          void* stream) {
   return guarded([&] {

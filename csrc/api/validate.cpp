@@ -642,6 +642,42 @@ bool check_mode(const fgdn_inputs& in) {
   return s != nullptr && s[0] != '\0' && !(s[0] == '0' && s[1] == '\0');
 }
 
+int64_t saved_states_rows(const Problem& p) {
+#ifdef FLASHGDN_WITH_CUDA
+  return cuda::saved_states_rows(p);
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+namespace {
+
+// saved_states (forward: written, backward: read): only where the CUDA backward takes them, as
+// [R, Hv, K, V] bf16, row-major (the fused kernel maps it as rows of K x V tiles).
+void check_saved_states(Checker& c, const fgdn_tensor& t, const Problem& p, Role role) {
+  if (!present(t)) return;
+  const int64_t rows = saved_states_rows(p);
+  if (rows == 0)
+    c.fail("saved_states",
+           "no tensor (this call's backward recomputes its states: fgdn_saved_states_rows is 0 on the CPU, "
+           "at `high`, for fp16 or K = V = 64, at `default` with gate_in_kernel, or with FLASHGDN_BWD_FUSED=0)",
+           "a tensor");
+  if (p.has_state_indices)
+    c.fail("saved_states", "no tensor with state_indices (a pool: an inference call)", "a tensor");
+  c.tensor("saved_states", t, {{rows, "R"}, {p.Hv, "Hv"}, {p.K, "K"}, {p.V, "V"}}, {FGDN_BFLOAT16},
+           Spec{Access::kRows, role, false, false, false});
+  const int64_t want[4] = {p.Hv * p.K * p.V, p.K * p.V, p.V, 1};
+  for (int d = 0; d < 4; ++d)
+    if (t.strides[d] != want[d])
+      c.fail("saved_states", "a contiguous (row-major) tensor", "strides " + std::to_string(t.strides[0]) + ", " +
+                                                                   std::to_string(t.strides[1]) + ", " +
+                                                                   std::to_string(t.strides[2]) + ", " +
+                                                                   std::to_string(t.strides[3]));
+}
+
+}  // namespace
+
 Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const void* workspace,
                          size_t workspace_bytes) {
   Checker c("fgdn_forward");
@@ -676,6 +712,10 @@ Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream, const 
   } else {
     c.absent("checkpoints", a->checkpoints, "checkpoint_every is 0");
   }
+  if (present(a->saved_states) && p.checkpoint_every > 0)
+    c.fail("saved_states", "no tensor with checkpoints (checkpoint_every > 0)", "a tensor");
+  check_saved_states(c, a->saved_states, p, Role::kOutput);
+  p.has_saved_states = present(a->saved_states);
   check_derived_sizes(c, p);
   c.overlaps();
   if (p.on_cuda) c.workspace(workspace, workspace_bytes);
@@ -731,6 +771,8 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
   p.want_dh0 = present(a->dh0);
   p.precision = check_precision(c, a->precision);
   check_context_parallel(c, a->context_parallel, a->cp_segment, p);
+  check_saved_states(c, a->saved_states, p, Role::kInput);
+  p.has_saved_states = present(a->saved_states);
   check_derived_sizes(c, p);
   c.overlaps();
   if (p.on_cuda) c.workspace(workspace, workspace_bytes);

@@ -34,6 +34,9 @@ inline bool present(const fgdn_tensor& t) { return t.ndim != 0; }
 // every call, so a C caller can switch it on without rebuilding).
 bool check_mode(const fgdn_inputs& in);
 
+// Rows of saved_states the call's CUDA backward takes (0: none; fgdn_saved_states_rows).
+int64_t saved_states_rows(const Problem& p);
+
 // workspace, workspace_bytes: the caller's device scratch of a call (NULL: none, or a query).
 Problem validate_forward(const fgdn_fwd_args* a, Mode mode, void* stream,
                          const void* workspace = nullptr, size_t workspace_bytes = 0);

@@ -50,6 +50,9 @@ struct Problem {
   int32_t context_parallel = 0;  // fgdn_context_parallel (CUDA forward)
   int64_t cp_segment = 0;        // tokens per CP segment; 0: the cost model picks
 
+  // saved_states given (forward: written; backward: read instead of the states pass).
+  bool has_saved_states = false;
+
   // Backward only.
   bool has_d_final_state = false;
   bool want_dh0 = false;

@@ -8,6 +8,7 @@
 #include "cuda/chunk_index.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/device_utils.cuh"
+#include "sm90/bwd_fused.h"
 #include "sm90/fwd_launch.h"
 
 namespace flashgdn::cuda {
@@ -20,13 +21,20 @@ sm90::Precision forward_precision(fgdn_precision p) {
 }
 
 size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& a) {
-  return sm90::forward_workspace_bytes(p, a);
+  return p.has_saved_states ? bwd::saving_forward_workspace_bytes(p, a) : sm90::forward_workspace_bytes(p, a);
+}
+
+int64_t saved_states_rows(const Problem& p) {
+  return p.on_cuda && bwd::fused_backward_applies(p) ? num_chunk_slots(p) + 1 : 0;
 }
 
 void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* stream) {
   DeviceScope scope(p.device_id);
   sm90::require_sm90(p.device_id);
-  sm90::forward(p, a, forward_precision(p.precision), workspace, static_cast<cudaStream_t>(stream));
+  if (p.has_saved_states)
+    bwd::forward_saving_states(p, a, workspace, static_cast<cudaStream_t>(stream));
+  else
+    sm90::forward(p, a, forward_precision(p.precision), workspace, static_cast<cudaStream_t>(stream));
 }
 
 size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& a) {

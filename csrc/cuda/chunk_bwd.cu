@@ -107,16 +107,17 @@ Layout make_layout(const Problem& p, const fgdn_bwd_args& a) {
   if (bwd::fused_backward_applies(p)) {  // h, the gate sums, the states pass's rows, then its buffers
     Layout L{};
     L.fused = true;
+    const bool saved = p.has_saved_states;  // h is the caller's saved_states: no states pass
     size_t o = 0;
     L.off[kH] = o;
-    o += align256((S + 1) * Hv * D * D * 2);  // bf16 (states_in_bf16); one spare row
+    if (!saved) o += align256((S + 1) * Hv * D * D * 2);  // bf16 (states_in_bf16); one spare row
     L.gpart = o;
     o += align256(S * Hv * 2 * sizeof(float));
     L.first_row = o;
-    o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+    if (!saved) o += align256(static_cast<size_t>(p.N) * sizeof(int64_t));
     L.shared = L.fwd = o;  // the states pass's scratch, then the fused buffers
     L.F = bwd::fused_layout(p, a);
-    L.total = o + std::max(align256(bwd::states_workspace_bytes(p, in)), L.F.bytes);
+    L.total = o + std::max(saved ? 0 : align256(bwd::states_workspace_bytes(p, in)), L.F.bytes);
     return L;
   }
   const bwd::DhPlan dp = bwd::dh_plan(p, sm_count(p.device_id));
@@ -170,10 +171,14 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   const fgdn_inputs& in = a.in;
   const bwd::FusedLayout& F = L.F;
   char* f = w + L.shared;
-  P.h = reinterpret_cast<float*>(w + L.off[kH]);
   P.gpart = reinterpret_cast<float*>(w + L.gpart);
-  if (P.num_chunks > 0)
-    bwd::launch_bwd_states(p, in, P, /*h16=*/true, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
+  if (p.has_saved_states) {  // written by the forward (bwd::forward_saving_states)
+    P.h = static_cast<float*>(a.saved_states.data);
+  } else {
+    P.h = reinterpret_cast<float*>(w + L.off[kH]);
+    if (P.num_chunks > 0)
+      bwd::launch_bwd_states(p, in, P, /*h16=*/true, reinterpret_cast<int64_t*>(w + L.first_row), w + L.fwd, stream);
+  }
   P.slot0 = 0;
   P.slots = P.num_chunks;
   bwd::FusedBuffers B{};

@@ -303,6 +303,10 @@ void launch_per_chunk(Kernel kernel, int threads, size_t smem, const BwdParams& 
 size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
 void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams& P, bool h16, int64_t* first_row,
                        void* fwd_workspace, cudaStream_t s);
+// The forward with fgdn_fwd_args.saved_states: those states written as launch_bwd_states writes
+// them (workspace: saving_forward_workspace_bytes(p, a) bytes).
+size_t saving_forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a);
+void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* workspace, cudaStream_t s);
 void launch_bwd_qk_prep(const BwdParams& P, cudaStream_t s);    // qn/kn, rq/rk
 void launch_bwd_prep(const BwdParams& P, cudaStream_t s);       // qk_prep; c, T, W, V_new, local dv, images
 void launch_bwd_prep_sm90(const BwdParams& P, cudaStream_t s);  // the same at `fast` (sm90/bwd_prep.cu)

@@ -13,6 +13,8 @@ namespace flashgdn::cuda::bwd {
 
 namespace {
 
+size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
 __global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= seq.N) return;
@@ -65,6 +67,42 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   if (h16) start_states_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(P);
   else start_states_kernel<float><<<grid, 256, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("bwd start_states_kernel");
+}
+
+size_t saving_forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) {
+  return align256(static_cast<size_t>(p.N) * sizeof(int64_t)) + sm90::forward_with_states_workspace_bytes(p, a);
+}
+
+// The forward that also writes the backward's chunk-start states into a.saved_states: the rows
+// as launch_bwd_states writes them, by the level the backward's states pass would take (`fast`
+// at `fast`, `high` otherwise: o then comes from the `high` kernel too), then every sequence's
+// first slot from its initial state. No state_indices (validation): a pool written back by the
+// forward would be read after it.
+void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* workspace, cudaStream_t s) {
+  if (p.N == 0) return;
+  BwdParams P{};
+  P.N = p.N;
+  P.Hv = p.Hv;
+  P.D = p.K;
+  P.seq = make_seq_layout(p, a.in);
+  P.h = static_cast<float*>(a.saved_states.data);  // bf16 rows (start_states_kernel<bf16>)
+  P.has_initial_state = p.has_initial_state;
+  P.h0.data = a.in.initial_state.data;
+  P.h0.dtype = a.in.initial_state.dtype;
+  if (p.has_initial_state) {
+    P.h0.s0 = a.in.initial_state.strides[0];
+    P.h0.s1 = a.in.initial_state.strides[1];
+    P.h0.s2 = a.in.initial_state.strides[2];
+  }
+  P.state_v_first = p.state_v_first;
+  auto* first_row = static_cast<int64_t*>(workspace);
+  char* fwd_ws = static_cast<char*>(workspace) + align256(static_cast<size_t>(p.N) * sizeof(int64_t));
+  first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
+  FGDN_CHECK_LAUNCH("forward first_rows_kernel");
+  const sm90::Precision level = p.precision == FGDN_PRECISION_FAST ? sm90::Precision::kFast : sm90::Precision::kHigh;
+  sm90::forward_with_states(p, a, level, a.saved_states.data, first_row, fwd_ws, s);
+  start_states_kernel<__nv_bfloat16><<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH("forward start_states_kernel");
 }
 
 }  // namespace flashgdn::cuda::bwd

@@ -14,6 +14,9 @@ namespace flashgdn::cuda {
 
 size_t forward_workspace_size(const Problem& p, const fgdn_fwd_args& a);
 size_t backward_workspace_size(const Problem& p, const fgdn_bwd_args& a);
+// Rows of the saved_states the forward of p may write for its backward (0: the backward would not
+// take them; fgdn_saved_states_rows).
+int64_t saved_states_rows(const Problem& p);
 // workspace: at least *_workspace_size bytes of device memory (never NULL when that is > 0).
 void forward(const Problem& p, const fgdn_fwd_args& a, void* workspace, void* stream);
 void backward(const Problem& p, const fgdn_bwd_args& a, void* workspace, void* stream);

@@ -310,26 +310,52 @@ size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
   return plan(chunk_states_problem(p), chunk_states_args(in)).total;
 }
 
-void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, void* states,
-                  fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream) {
-  if (p.N == 0) return;
-  const Problem q = chunk_states_problem(p);
-  const fgdn_fwd_args a = chunk_states_args(in);
+namespace {
+
+// The call q (checkpoint_every = one chunk) with its checkpoints rerouted to states in the
+// backward's row layout (chunk_states, forward_with_states).
+void run_with_states(const Problem& q, const fgdn_fwd_args& a, Precision prec, void* states,
+                     fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream) {
   const Workspace wl = plan(q, a);
   char* ws = static_cast<char*>(workspace);
   FwdParams fp = make_params(q, a, wl, ws, stream);
   // states: [rows, Hv, K, V], row-major whatever the caller's state layout (StateRef's
   // element (k, v) is at v_first ? v s2 + k s3 : k s2 + v s3), rounded to nearest in bf16.
-  const int64_t d = p.K;
+  const int64_t d = q.K;
   fp.ckpt.data = states;
   fp.ckpt.dtype = states_dtype;
-  fp.ckpt.s0 = p.Hv * d * d;
+  fp.ckpt.s0 = q.Hv * d * d;
   fp.ckpt.s1 = d * d;
-  fp.ckpt.s2 = p.state_v_first ? 1 : d;
-  fp.ckpt.s3 = p.state_v_first ? d : 1;
+  fp.ckpt.s2 = q.state_v_first ? 1 : d;
+  fp.ckpt.s3 = q.state_v_first ? d : 1;
   fp.every = cuda::kChunk;
   fp.ckpt_offset = first_row;
   run(q, fp, wl, ws, prec, stream);
+}
+
+Problem with_states_problem(const Problem& p) {
+  Problem q = p;
+  q.checkpoint_every = cuda::kChunk;
+  return q;
+}
+
+}  // namespace
+
+void chunk_states(const Problem& p, const fgdn_inputs& in, Precision prec, void* states,
+                  fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream) {
+  if (p.N == 0) return;
+  run_with_states(chunk_states_problem(p), chunk_states_args(in), prec, states, states_dtype, first_row, workspace,
+                  stream);
+}
+
+size_t forward_with_states_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) {
+  return plan(with_states_problem(p), a).total;
+}
+
+void forward_with_states(const Problem& p, const fgdn_fwd_args& a, Precision prec, void* states,
+                         const int64_t* first_row, void* workspace, cudaStream_t stream) {
+  if (p.N == 0) return;
+  run_with_states(with_states_problem(p), a, prec, states, FGDN_BFLOAT16, first_row, workspace, stream);
 }
 
 }  // namespace flashgdn::sm90

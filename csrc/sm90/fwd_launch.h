@@ -29,4 +29,11 @@ size_t chunk_states_workspace_bytes(const Problem& p, const fgdn_inputs& in);
 void chunk_states(const Problem& p, const fgdn_inputs& in, Precision precision, void* states,
                   fgdn_dtype states_dtype, const int64_t* first_row, void* workspace, cudaStream_t stream);
 
+// The forward of the call a (o, final state) that also writes those chunk-start states, bf16, as
+// chunk_states does (the saved_states of fgdn_fwd_args; a.checkpoints unused). workspace:
+// forward_with_states_workspace_bytes(p, a) bytes.
+size_t forward_with_states_workspace_bytes(const Problem& p, const fgdn_fwd_args& a);
+void forward_with_states(const Problem& p, const fgdn_fwd_args& a, Precision precision, void* states,
+                         const int64_t* first_row, void* workspace, cudaStream_t stream);
+
 }  // namespace flashgdn::sm90

@@ -158,6 +158,12 @@ typedef struct fgdn_fwd_args {
   int64_t cp_segment; /* tokens per segment, a positive multiple of 64; 0: the cost model's
                          choice. Fixing it makes a sequence's bits independent of the call's
                          other sequences under CP too. */
+  /* Optional (training): the chunk-start states the CUDA backward of the same call would
+     otherwise recompute, [R, Hv, K, V] bf16, row-major, R = fgdn_saved_states_rows(); allowed
+     only where R > 0, not with checkpoints. Pass the same tensor as fgdn_bwd_args.saved_states.
+     At the default level the forward then takes the `high` kernel (the states the backward's
+     `default` needs; o more exact, the forward slower). */
+  fgdn_tensor saved_states;
 } fgdn_fwd_args;
 
 typedef struct fgdn_bwd_args {
@@ -182,6 +188,10 @@ typedef struct fgdn_bwd_args {
      independent too. Autograd passes the forward call's values. */
   int32_t context_parallel; /* fgdn_context_parallel */
   int64_t cp_segment;       /* tokens per segment, 0 or a positive multiple of 64 (0: chosen) */
+  /* Optional: fgdn_fwd_args.saved_states of the forward call on the same inputs at the same
+     precision level (the library cannot check where they came from); the backward then skips
+     its states pass. Refused where fgdn_saved_states_rows() is 0. */
+  fgdn_tensor saved_states;
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as
@@ -196,6 +206,11 @@ FGDN_API fgdn_status fgdn_forward(const fgdn_fwd_args* args, void* workspace,
                                   size_t workspace_bytes, void* stream);
 FGDN_API fgdn_status fgdn_backward(const fgdn_bwd_args* args, void* workspace,
                                    size_t workspace_bytes, void* stream);
+
+/* Rows R of the saved_states a forward call may write for its backward: > 0 where the CUDA
+   backward of the same call takes them (bf16, K = V = 128, `fast` or `default`: the fused
+   backward), else 0 (the backward recomputes its states). Validates as the workspace query. */
+FGDN_API fgdn_status fgdn_saved_states_rows(const fgdn_fwd_args* args, int64_t* rows);
 
 /* The message of the calling thread's last failed call ("" if none). */
 FGDN_API const char* fgdn_last_error(void);

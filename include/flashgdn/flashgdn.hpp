@@ -76,6 +76,13 @@ inline size_t backward_workspace_size(const fgdn_bwd_args& a) {
   return n;
 }
 
+// Rows of the saved_states the forward of a may write for its backward (0: none).
+inline int64_t saved_states_rows(const fgdn_fwd_args& a) {
+  int64_t r = 0;
+  check(fgdn_saved_states_rows(&a, &r));
+  return r;
+}
+
 // stream: a cudaStream_t (nullptr: default stream); ignored for host tensors.
 inline void forward(const fgdn_fwd_args& a, void* workspace = nullptr, size_t workspace_bytes = 0,
                     void* stream = nullptr) {

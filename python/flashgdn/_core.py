@@ -7,6 +7,8 @@ into the outputs the caller does pass (handy for preallocated / poisoned buffers
 from __future__ import annotations
 
 import operator
+import os
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -329,6 +331,7 @@ def chunk_gated_delta_rule_fwd(
     context_parallel: Optional[bool] = None,
     cp_segment: int = 0,
     before_launch: Optional[Callable[[], None]] = None,
+    saved_states: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward pass, no autograd: returns ``(o, final_state, checkpoints)``.
 
@@ -348,6 +351,10 @@ def chunk_gated_delta_rule_fwd(
     (tokens per segment, a multiple of 64; 0: the cost model's choice): the CUDA forward's
     intra-card context parallelism (docs/context-parallel.md; the CPU ignores them).
     Nothing is written when an argument is rejected (ValueError naming it).
+    ``saved_states``: a ``[saved_states_rows(...), Hv, K, V]`` bfloat16 output (contiguous) for
+    the chunk-start states the backward of the same call then reads instead of recomputing
+    them (``chunk_gated_delta_rule_bwd(saved_states=...)``; CUDA, where the backward takes them;
+    at ``"default"`` the forward then takes the ``"high"`` kernel; docs/api.md).
     ``before_launch``: called once every argument but the tensors' values has been validated
     (the workspace query), just before the library runs; the engines' entry points
     (``flashgdn.engines``) check the values they need and zero fresh pool rows there.
@@ -390,6 +397,7 @@ def chunk_gated_delta_rule_fwd(
         o=_desc("o", o),
         final_state=_state_desc("final_state", final_state) if want_final else None,
         checkpoints=_desc("checkpoints", checkpoints) if checkpoint_every > 0 else None,
+        saved_states=_desc("saved_states", saved_states) if saved_states is not None else None,
     )
     if before_launch is not None:
         with torch.cuda.device(q.device) if q.device.type == "cuda" else _nullcontext():
@@ -401,6 +409,33 @@ def chunk_gated_delta_rule_fwd(
         if used < checkpoints.shape[0]:
             checkpoints[used:].zero_()
     return o, (final_state if want_final else None), (checkpoints if checkpoint_every > 0 else None)
+
+
+def saved_states_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                      precision: str = "default", use_gate_in_kernel: bool = False,
+                      state_indices: Optional[torch.Tensor] = None, checkpoint_every: int = 0) -> int:
+    """Rows of the chunk-start states a forward call may save for its backward (the library's
+    fgdn_saved_states_rows, from the shapes alone, so that the operator's fake implementation
+    gives the same shape): where the CUDA backward takes the fused kernel (bf16, K = V = 128,
+    ``"fast"`` or ``"default"``, not ``"default"`` with the gate in the kernel, unless
+    FLASHGDN_BWD_FUSED reads as 0), without a state pool or checkpoints; else 0. The library
+    refuses a saved_states tensor of any other row count."""
+    if q.device.type != "cuda" or q.dtype != torch.bfloat16 or k.shape[-1] != 128 or v.shape[-1] != 128:
+        return 0
+    if precision == "high" or (precision == "default" and use_gate_in_kernel):
+        return 0
+    if state_indices is not None or checkpoint_every > 0:
+        return 0
+    env = os.environ.get("FLASHGDN_BWD_FUSED")
+    m = re.match(r"\s*([+-]?\d+)", env or "")
+    if env is not None and (m is None or int(m.group(1)) == 0):
+        return 0
+    B, T, Hv = v.shape[0], v.shape[1], v.shape[2]
+    chunks = -(-T // 64)
+    slots = chunks + (cu_seqlens.shape[0] - 1) if cu_seqlens is not None else B * chunks
+    if (slots + 1) * Hv * 128 >= 1 << 31:  # the fused kernel's 32-bit unit rows
+        return 0
+    return slots + 1
 
 
 class GDNGrads(NamedTuple):
@@ -446,6 +481,7 @@ def chunk_gated_delta_rule_bwd(
     precision: str = "default",
     context_parallel: Optional[bool] = None,
     cp_segment: int = 0,
+    saved_states: Optional[torch.Tensor] = None,
 ) -> GDNGrads:
     """Backward pass, no autograd (recomputes the forward from the inputs).
 
@@ -463,8 +499,9 @@ def chunk_gated_delta_rule_bwd(
     computes in float32 always; docs/api.md). ``context_parallel`` and ``cp_segment``: the CUDA
     backward's reverse state-gradient pass split into segments, as the forward's (None:
     automatic; False: one CTA per sequence and head, a sequence's bits independent of the other
-    sequences; docs/context-parallel.md). Nothing is written when an argument is rejected
-    (ValueError naming it).
+    sequences; docs/context-parallel.md). ``saved_states``: the forward's (same inputs, same
+    precision), read instead of recomputing the chunk-start states. Nothing is written when an
+    argument is rejected (ValueError naming it).
     """
     _need_dims("q", q, 4, "[B, T, Hq, K]")
     _need_dims("k", k, 4, "[B, T, Hq, K]")
@@ -506,6 +543,7 @@ def chunk_gated_delta_rule_bwd(
         precision=precision,
         context_parallel=_context_parallel(context_parallel),
         cp_segment=_index("cp_segment", cp_segment, lo=0),
+        saved_states=_desc("saved_states", saved_states) if saved_states is not None else None,
     )
     _launch(_C.backward, _C.backward_workspace_size, kw, q.device)
     return GDNGrads(

@@ -2,7 +2,8 @@
 
 Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
 
-* ``flashgdn::chunk_gated_delta_rule_fwd``  (functional) -> (o, final_state, checkpoints)
+* ``flashgdn::chunk_gated_delta_rule_fwd``  (functional) -> (o, final_state, checkpoints,
+  saved_states: the chunk-start states written for the backward when ``save_states``, else empty)
 * ``flashgdn::chunk_gated_delta_rule_bwd``  (functional) -> (dq, dk, dv, dg, dbeta, dA_log,
   ddt_bias, dh0)
 * ``flashgdn::chunk_gated_delta_rule_fwd_pool_`` (writes final states back into the rows of a
@@ -11,7 +12,7 @@ Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
 Each has a ``register_fake`` implementation (shapes only, no data), so torch.compile traces a
 model that calls them with ``fullgraph=True``; the forward op has ``register_autograd``, whose
 backward calls the backward op (which recomputes from the saved inputs, taking ``do`` and the
-gradient of the final state). Absent outputs are empty tensors at the op level; the Python
+gradient of the final state, and the forward's saved states where it wrote them). Absent outputs are empty tensors at the op level; the Python
 wrapper turns them into None. The operators never synchronise the host with a CUDA device when
 the host copy of ``cu_seqlens`` is given (``cu_seqlens_cpu`` / ``cu_seqlens_host``).
 """
@@ -48,6 +49,15 @@ def _ckpt_shape(v: Tensor, k: Tensor, checkpoint_every: int, state_v_first: bool
 # ---- forward --------------------------------------------------------------------------------
 
 
+def _saved_rows(q, k, v, cu_seqlens, state_indices, checkpoint_every, precision, use_gate_in_kernel,
+                save_states) -> int:
+    """Rows of the chunk-start states the forward saves for autograd's backward (0: none)."""
+    if not save_states:
+        return 0
+    return _core.saved_states_rows(q, k, v, cu_seqlens, precision, use_gate_in_kernel, state_indices,
+                                   checkpoint_every)
+
+
 @torch.library.custom_op("flashgdn::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -57,8 +67,12 @@ def _fwd_op(
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, output_final_state: bool, checkpoint_every: int, check_inputs: bool,
     precision: str = "default", final_state_dtype: Optional[torch.dtype] = None,
-    context_parallel: Optional[bool] = None, cp_segment: int = 0,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    context_parallel: Optional[bool] = None, cp_segment: int = 0, save_states: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows = _saved_rows(q, k, v, cu_seqlens, state_indices, checkpoint_every, precision, use_gate_in_kernel,
+                       save_states)
+    saved = (torch.empty((rows, v.shape[2], k.shape[3], v.shape[3]), dtype=torch.bfloat16, device=q.device)
+             if rows > 0 else None)
     o, ht, ckpt = _core.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -66,16 +80,17 @@ def _fwd_op(
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         state_indices=state_indices, state_v_first=state_v_first, checkpoint_every=checkpoint_every,
         check_inputs=check_inputs, precision=precision, final_state_dtype=final_state_dtype,
-        context_parallel=context_parallel, cp_segment=cp_segment,
+        context_parallel=context_parallel, cp_segment=cp_segment, saved_states=saved,
     )
-    return o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q))
+    return (o, (ht if ht is not None else _empty(q)), (ckpt if ckpt is not None else _empty(q)),
+            (saved if saved is not None else _empty(q)))
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
               output_final_state, checkpoint_every, check_inputs, precision="default",
-              final_state_dtype=None, context_parallel=None, cp_segment=0):
+              final_state_dtype=None, context_parallel=None, cp_segment=0, save_states=False):
     o = q.new_empty(tuple(v.shape))
     if output_final_state and state_indices is None:
         ht = q.new_empty(_state_shape(v, k, _num_seqs(v, cu_seqlens), state_v_first),
@@ -84,7 +99,10 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
         ht = _empty(q)
     ckpt = (q.new_empty(_ckpt_shape(v, k, checkpoint_every, state_v_first), dtype=torch.float32)
             if checkpoint_every > 0 else _empty(q))
-    return o, ht, ckpt
+    rows = _saved_rows(q, k, v, cu_seqlens, state_indices, checkpoint_every, precision, use_gate_in_kernel,
+                       save_states)
+    saved = q.new_empty((rows, v.shape[2], k.shape[3], v.shape[3]), dtype=torch.bfloat16) if rows > 0 else _empty(q)
+    return o, ht, ckpt, saved
 
 
 # ---- backward -------------------------------------------------------------------------------
@@ -99,6 +117,7 @@ def _bwd_op(
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, do: Tensor, dht: Optional[Tensor], need_dh0: bool, check_inputs: bool,
     precision: str = "default", context_parallel: Optional[bool] = None, cp_segment: int = 0,
+    saved_states: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     gr = _core.chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
@@ -106,7 +125,7 @@ def _bwd_op(
         cu_seqlens_host=cu_seqlens_host, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
         need_dh0=need_dh0, check_inputs=check_inputs, precision=precision,
-        context_parallel=context_parallel, cp_segment=cp_segment,
+        context_parallel=context_parallel, cp_segment=cp_segment, saved_states=saved_states,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -118,7 +137,8 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
-              do, dht, need_dh0, check_inputs, precision="default", context_parallel=None, cp_segment=0):
+              do, dht, need_dh0, check_inputs, precision="default", context_parallel=None, cp_segment=0,
+              saved_states=None):
     c = torch.contiguous_format
     dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
           if use_gate_in_kernel and A_log is not None else _empty(q))
@@ -134,23 +154,25 @@ def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 
 # ---- autograd -------------------------------------------------------------------------------
 
-_N_FWD_ARGS = 22
+_N_FWD_ARGS = 23
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
-     precision, _final_state_dtype, context_parallel, cp_segment) = inputs
+     precision, _final_state_dtype, context_parallel, cp_segment, _save_states) = inputs
+    # the chunk-start states the forward wrote for the backward (save_states), if any
+    saved = output[3] if output[3].numel() > 0 else None
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
-                          initial_state, state_indices)
+                          initial_state, state_indices, saved)
     # the backward's too: its arithmetic and its reverse pass's context parallelism
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
-    ctx.mark_non_differentiable(output[2])  # checkpoints are not differentiable
+    ctx.mark_non_differentiable(output[2], output[3])  # checkpoints, saved states
 
 
-def _backward(ctx, do, dht, _dckpt):
+def _backward(ctx, do, dht, _dckpt, _dsaved):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
-     state_indices) = ctx.saved_tensors
+     state_indices, saved) = ctx.saved_tensors
     scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
@@ -163,7 +185,8 @@ def _backward(ctx, do, dht, _dckpt):
     need_dh0 = initial_state is not None and bool(need[9])
     dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
-        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision, context_parallel, cp_segment)
+        scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision, context_parallel, cp_segment,
+        saved)
     grads = (dq, dk, dv, dg, dbeta,
              dA if gate and A_log is not None else None,
              ddt if gate and dt_bias is not None else None,
@@ -469,11 +492,15 @@ def chunk_gated_delta_rule(
                 check_inputs, precision, context_parallel, cp_segment)
             return (o, None, ckpt) if checkpoint_every > 0 else (o, None)
 
-    o, ht, ckpt = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
+    # Under autograd the forward also writes the chunk-start states the backward would recompute
+    # (where the CUDA backward takes them: bwd_fused; docs/api.md, "saved states").
+    save_states = torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
+    o, ht, ckpt, _saved = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, host, initial_state, state_indices,
         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
         output_final_state and state_indices is None, checkpoint_every, check_inputs, precision,
-        final_state_dtype, context_parallel, cp_segment)
+        final_state_dtype, context_parallel, cp_segment, save_states)
     final_state = ht if output_final_state and state_indices is None else None
     if checkpoint_every > 0:
         return o, final_state, ckpt

@@ -194,6 +194,7 @@ fgdn_fwd_args parse_fwd(Kwargs& kw) {
   a.o = kw.tensor("o");
   a.final_state = kw.tensor("final_state");
   a.checkpoints = kw.tensor("checkpoints");
+  a.saved_states = kw.tensor("saved_states");
   return a;
 }
 
@@ -214,6 +215,7 @@ fgdn_bwd_args parse_bwd(Kwargs& kw) {
   a.precision = static_cast<int32_t>(kw.integer("precision"));
   a.context_parallel = static_cast<int32_t>(kw.integer("context_parallel"));
   a.cp_segment = kw.integer("cp_segment");
+  a.saved_states = kw.tensor("saved_states");
   return a;
 }
 
@@ -433,6 +435,19 @@ NB_MODULE(_C, m) {
                               fgdn_backward_workspace_size);
       },
       "backward_workspace_size(**bwd_args) -> int: device scratch bytes for backward().");
+
+  m.def(
+      "saved_states_rows",
+      [](nb::kwargs kwargs) {
+        Kwargs kw("saved_states_rows", std::move(kwargs));
+        const fgdn_fwd_args a = parse_fwd(kw);
+        kw.finish();
+        int64_t rows = 0;
+        check(fgdn_saved_states_rows(&a, &rows));
+        return rows;
+      },
+      "saved_states_rows(**fwd_args) -> int: rows of the saved_states the forward may write for its\n"
+      "backward (0: the backward recomputes its states).");
 
   m.def(
       "forward",

@@ -186,6 +186,21 @@ std::vector<Case> cases() {
         f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {1, 4, 16, 32});
       },
       {"'checkpoints'", "checkpoint_every is 0"});
+  // saved_states: only where the CUDA backward takes them (fgdn_saved_states_rows > 0); never on
+  // the CPU, and never with checkpoints.
+  fwd("saved_states_on_the_cpu", [](Fixture& f) {
+        f.fa.saved_states = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
+      },
+      {"'saved_states'", "fgdn_saved_states_rows is 0", "got a tensor"});
+  fwd("saved_states_with_checkpoints", [](Fixture& f) {
+        f.fa.in.cu_seqlens = fgdn_tensor_none();
+        f.fa.in.initial_state.shape[0] = 1;
+        f.fa.final_state.shape[0] = 1;
+        f.fa.checkpoint_every = 64;
+        f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {1, 4, 16, 32});
+        f.fa.saved_states = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
+      },
+      {"'saved_states'", "no tensor with checkpoints"});
   fwd("final_state_with_pool", [](Fixture& f) {
         static int64_t idx[] = {1, 0};
         f.fa.in.state_indices = host_tensor(idx, FGDN_INT64, {2});
@@ -207,6 +222,10 @@ std::vector<Case> cases() {
     c.push_back({name, true, m, p});
   };
   bwd("d_o_missing", [](Fixture& f) { f.ba.d_o = fgdn_tensor_none(); }, {"'d_o'", "none"});
+  bwd("saved_states_on_the_cpu_backward", [](Fixture& f) {
+        f.ba.saved_states = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
+      },
+      {"'saved_states'", "fgdn_saved_states_rows is 0", "got a tensor"});
   bwd("dq_shape", [](Fixture& f) { f.ba.dq.shape[2] = 4; }, {"'dq'", "[B=1, T=70, Hq=2, K=16]"});
   bwd("dv_dtype", [](Fixture& f) { f.ba.dv.dtype = FGDN_FLOAT16; }, {"'dv'", "dtype float32"});
   bwd("dg_missing", [](Fixture& f) { f.ba.dg = fgdn_tensor_none(); }, {"'dg'", "none"});
@@ -343,6 +362,17 @@ TEST(ValidationApi, HostWorkspaceIsZero) {
   Fixture f;
   EXPECT_EQ(flashgdn::forward_workspace_size(f.fa), 0u);
   EXPECT_EQ(flashgdn::backward_workspace_size(f.ba), 0u);
+}
+
+TEST(ValidationApi, NoSavedStatesOnTheCpu) {
+  Fixture f;
+  EXPECT_EQ(flashgdn::saved_states_rows(f.fa), 0);
+  int64_t rows = 7;
+  EXPECT_EQ(fgdn_saved_states_rows(&f.fa, nullptr), FGDN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fgdn_last_error()).find("'rows'"), std::string::npos);
+  f.fa.in.v.shape[2] = 3;  // the query validates as the workspace query does
+  EXPECT_EQ(fgdn_saved_states_rows(&f.fa, &rows), FGDN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fgdn_last_error()).find("'v'"), std::string::npos);
 }
 
 #ifndef FLASHGDN_WITH_CUDA

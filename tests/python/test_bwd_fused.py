@@ -233,3 +233,102 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
         rel = ((a - b).norm() / a.norm()).item()
         assert torch.isfinite(a).all() and rel < 0.1, f"{name}: split against unsplit {rel:.2e}"
 
+
+
+# ---- the states saved by the forward (fgdn_fwd_args.saved_states) --------------------------------
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("layout", ["varlen", "dense"])
+def test_saved_states_same_bits(layout, level):
+    """The forward writes the chunk-start states (saved_states) and the backward reads them instead
+    of its states pass: every gradient the same bits as the backward that recomputes them (both
+    take the level's states kernel: `fast` at `fast`, `high` at `default`), and o within the
+    oracle's bounds. Overwriting the saved states changes the gradients: the backward reads them."""
+    from flashgdn import _core
+    from gdn_testutil import oracle_forward
+    if layout == "varlen":
+        c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
+    else:
+        c = make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
+    do, dht = inputs_of(c)
+    kw = c.lowlevel_kwargs()
+    rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, level, c.use_gate_in_kernel)
+    B, T = c.v.shape[:2]
+    slots = (T + 63) // 64 + c.N if c.cu_seqlens is not None else B * ((T + 63) // 64)
+    assert rows == slots + 1  # the chunk slots (csrc/cuda/chunk_index.cuh) and one spare row
+    saved = torch.full((rows, 4, 128, 128), float("nan"), device=DEV, dtype=torch.bfloat16)
+    o, ht, _ = _core.chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, precision=level,
+                                                 saved_states=saved, **kw)
+    ref = oracle_forward(c)
+    bounds = bounds_for(c.q.dtype)
+    check("o", o, ref["o"], c, bounds["o"], context=f"saved states {layout} {level}")
+    check("final_state", ht, ref["final_state"], c, bounds["final_state"], context=f"saved states {layout} {level}")
+    with_saved = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, saved_states=saved, **kw)
+    recomputed = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, **kw)
+    for name in GRADS:
+        x, y = getattr(with_saved, name), getattr(recomputed, name)
+        assert (x is None and y is None) or torch.equal(x, y), f"{name}: saved states change the bits ({layout} {level})"
+    saved.zero_()
+    zeroed = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, saved_states=saved, **kw)
+    assert not torch.equal(zeroed.dq, recomputed.dq), "the backward did not read saved_states"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_autograd_saves_states(level):
+    """Under autograd the forward saves the states where the backward takes them: the gradients of
+    a loss the same bits as the low-level backward's (which recomputes them)."""
+    from gdn_testutil import loss_and_grads
+    from flashgdn import chunk_gated_delta_rule
+    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[200, 77], device=DEV, l2norm=True)
+    do, dht = inputs_of(c)
+    leaves = [x.clone().requires_grad_() for x in (c.q, c.k, c.v, c.g, c.beta)]
+
+    def loss(q, k, v, g, beta):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, precision=level,
+                                       cu_seqlens_cpu=c.cu_seqlens_host, **c.kwargs())
+        return (o.float() * do.float()).sum() + (ht * dht).sum()
+
+    got = loss_and_grads(loss, leaves)[1:]
+    want = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, **c.lowlevel_kwargs())
+    for name, x in zip(("dq", "dk", "dv", "dg", "dbeta"), got):
+        assert torch.equal(x, getattr(want, name)), f"{name}: autograd's saved states change the bits ({level})"
+
+
+def test_saved_states_refused_where_the_backward_recomputes():
+    """fp16 inputs (the staged backward) take no saved states: the library refuses them, naming
+    the argument; the shapes-only rule says 0 rows there."""
+    from flashgdn import _core
+    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 64], device=DEV, dtype=torch.float16)
+    assert _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, "default") == 0
+    saved = torch.zeros((6, 4, 128, 128), device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="saved_states"):
+        _core.chunk_gated_delta_rule_fwd(*c.inputs(), saved_states=saved, **c.lowlevel_kwargs())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level", ["fast", "default", "high"])
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_saved_states_rows_mirror_the_library(D, gate, level, dtype, monkeypatch):
+    """_core.saved_states_rows (from the shapes, for the fake op) equals the library's
+    fgdn_saved_states_rows on the same call, dense and packed, with and without the switch."""
+    from flashgdn import _C, _core
+    for fused in (None, "0"):
+        if fused is None:
+            monkeypatch.delenv("FLASHGDN_BWD_FUSED", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_BWD_FUSED", fused)
+        for lengths in ([130, 0, 64, 1], None):
+            c = (make_case(Hq=2, Hv=4, K=D, V=D, lengths=lengths, device=DEV, dtype=dtype, gate_in_kernel=gate)
+                 if lengths else make_case(B=2, T=300, Hq=2, Hv=4, K=D, V=D, device=DEV, dtype=dtype,
+                                           gate_in_kernel=gate))
+            kw = _core._inputs(*c.inputs(), c.scale, c.initial_state, False, c.cu_seqlens, c.cu_seqlens_host,
+                               gate, c.A_log, c.dt_bias, None, False, False)
+            o = torch.empty(c.v.shape, dtype=c.q.dtype, device=DEV)
+            kw.update(output_final_state=False, checkpoint_every=0, precision=_core._precision(level),
+                      context_parallel=0, cp_segment=0, o=_core._desc("o", o))
+            with torch.cuda.device(c.q.device):
+                want = _C.saved_states_rows(**kw)
+            got = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, level, gate)
+            assert got == want, (D, gate, level, dtype, fused, lengths)

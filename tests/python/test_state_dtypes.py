@@ -256,7 +256,7 @@ def test_opcheck_16bit_states():
         args = (q, c.k, c.v, c.g, c.beta, None, None, c.cu_seqlens, c.cu_seqlens_host, h0, None, None, False,
                 False, False, True, 64, False, "default", fsd)
         torch.library.opcheck(torch.ops.flashgdn.chunk_gated_delta_rule_fwd.default, args)
-        _, ht, _ = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(*args)
+        _, ht, _, _ = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(*args)
         assert ht.dtype == (fsd or torch.float32)
     bwd_args = (c.q, c.k, c.v, c.g, c.beta, None, None, c.cu_seqlens, c.cu_seqlens_host, h0.detach(), None, None,
                 False, False, False, torch.randn(c.v.shape), torch.randn(h0.shape).to(torch.bfloat16), True, False)
@@ -267,7 +267,7 @@ def test_opcheck_16bit_states():
     h0_fp16 = torch.zeros(2, 2, 32, 32, dtype=torch.float16)
     with FakeTensorMode() as mode:
         f = [mode.from_tensor(x) for x in (c.q, c.k, c.v, c.g, c.beta, c.cu_seqlens, h0_fp16)]
-        _, ht, _ = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
+        _, ht, _, _ = torch.ops.flashgdn.chunk_gated_delta_rule_fwd(
             *f[:5], None, None, f[5], None, f[6], None, None, False, False, False, True, 0, False)
         dh0 = torch.ops.flashgdn.chunk_gated_delta_rule_bwd(
             *f[:5], None, None, f[5], None, f[6], None, None, False, False, False, mode.from_tensor(c.v), ht,
