@@ -14,8 +14,8 @@ namespace flashgdn::cuda::bwd {
 
 // The fused kernel takes the backward at `fast` and `default` with bf16 inputs and K = V = 128
 // (at `default` not with the gate in the kernel: D7); every other call (`high`, fp16, K = V = 64)
-// takes the staged chain (chunk_bwd.cu), as does every
-// call while FLASHGDN_BWD_FUSED reads as 0 (std::atoi; read on every call), for A/B runs.
+// takes the staged chain (chunk_bwd.cu), as does every call while FLASHGDN_BWD_FUSED reads as 0
+// (std::atoi; read on every call), for A/B runs.
 bool fused_backward_applies(const Problem& p);
 
 // Its per-chunk buffers, every chunk slot at once (the walk covers whole sequences), in order.

@@ -42,12 +42,19 @@ __host__ __device__ constexpr int out_freed(int j) { return j == 0 ? 3 : (j == 1
 __host__ __device__ constexpr bool frees_out(int s) {
   return s == out_freed(0) || s == out_freed(1) || s == out_freed(2);
 }
+// Who arrives where, by the roles: the compute warpgroups' threads and the producer's store warp
+// (all lanes) on the stage barriers; one elected lane of the producer's load warp
+// (arrive_expect_tx), of its (c, beta) warp and of its reload warp on the full barriers.
+constexpr uint32_t kStoreWarpArrivals = 32, kElectedLaneArrivals = 1;
 // Stage s's barrier: every compute thread, and the store warp where stage s frees `out`.
 __host__ __device__ constexpr uint32_t stage_arrivals(int s) {
-  return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? 32 : 0);
+  return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? kStoreWarpArrivals : 0);
 }
-// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
-constexpr uint32_t kFull0Arrivals = 1, kFull1Arrivals = 2, kFull2Arrivals = 1;
+// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival; full2
+// (kSplit): the reload warp's arrive_expect_tx for q's second load.
+constexpr uint32_t kFull0Arrivals = kElectedLaneArrivals;
+constexpr uint32_t kFull1Arrivals = 2 * kElectedLaneArrivals;
+constexpr uint32_t kFull2Arrivals = kElectedLaneArrivals;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
