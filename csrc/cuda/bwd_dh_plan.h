@@ -31,6 +31,9 @@ namespace flashgdn::cuda::bwd {
 constexpr int64_t kDhChunk = 64;  // tokens a chunk (chunk_bwd_internal.cuh's kC)
 constexpr int64_t kDhMinSegmentChunks = 16;
 constexpr int64_t kDhMinSegments = 4;
+// The fused walk's automatic segments: no warm-up to cover (its split is exact), so the floor only
+// bounds the per-segment overheads (a transfer walk's start, the scan): 4 chunks. EXPERIMENT.
+constexpr int64_t kFusedMinSegmentChunks = 4;
 // r = num / den, the fused walk's transfer (a carry-only walk) against a whole walk, a chunk, as
 // the plan takes it: 0.4, the best of 1, 0.7, 0.6, 0.5, 0.4 on 2/8, 4/16, 8/32, 16/64 one 32768-token
 // sequence (H200, 2026-11-29; bench/NOTES.md), though a transfer walk alone costs 0.62 (Nsight).
@@ -89,7 +92,7 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
       // a whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
       // neither phase 1 part waits for the other. L = ceil(longest / (k + r)).
       constexpr int64_t num = kFusedTransferStepNum, den = kFusedTransferStepDen;
-      d.chunks = std::max(kDhMinSegmentChunks, (longest * den + k * den + num - 1) / (k * den + num));
+      d.chunks = std::max(kFusedMinSegmentChunks, (longest * den + k * den + num - 1) / (k * den + num));
     } else {
       if (automatic && chains * kDhMinSegments > sms) return d;
       const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / c);
