@@ -168,6 +168,9 @@ def _setup_context(ctx, inputs, output):
     # the backward's too: its arithmetic and its reverse pass's context parallelism
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
     ctx.mark_non_differentiable(output[2], output[3])  # checkpoints, saved states
+    # No zeros for the gradients the backward ignores: autograd would otherwise fill one for each
+    # output not differentiated (the saved states alone are 1.07 GB at 16/64, 32768 tokens: 0.32 ms).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht, _dckpt, _dsaved):
