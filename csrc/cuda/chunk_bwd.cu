@@ -40,7 +40,8 @@ struct Layout {
   bwd::FusedLayout F;
 };
 
-size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+using bwd::align256;
+using bwd::tensor4;
 
 static_assert(bwd::kDhChunk == bwd::kC, "the dh plan counts the backward's chunks");
 
@@ -152,18 +153,6 @@ Layout make_layout(const Problem& p, const fgdn_bwd_args& a) {
   return L;
 }
 
-bwd::Tensor4 t4(const fgdn_tensor& t) {
-  bwd::Tensor4 r{};
-  r.data = t.data;
-  r.dtype = t.dtype;
-  if (t.ndim >= 3) {
-    r.s0 = t.strides[0];
-    r.s1 = t.strides[1];
-    r.s2 = t.strides[2];
-  }
-  return r;
-}
-
 // The fused backward (sm90/bwd_fused.h): states, then its steps over every chunk slot at once, the
 // gate step from its dg and the head sums.
 void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, const Layout& L, char* w,
@@ -244,25 +233,25 @@ void launch_backward(const flashgdn::Problem& p, const fgdn_bwd_args& a, void* w
   P.idx_dtype = p.has_state_indices ? in.state_indices.dtype : FGDN_INT64;
   P.seq = make_seq_layout(p, in);
 
-  P.q = t4(in.q);
-  P.k = t4(in.k);
-  P.v = t4(in.v);
-  P.g = t4(in.g);
-  P.beta = t4(in.beta);
-  P.d_o = t4(a.d_o);
+  P.q = tensor4(in.q);
+  P.k = tensor4(in.k);
+  P.v = tensor4(in.v);
+  P.g = tensor4(in.g);
+  P.beta = tensor4(in.beta);
+  P.d_o = tensor4(a.d_o);
   P.A_log = static_cast<const float*>(in.A_log.data);
   P.dt_bias = static_cast<const float*>(in.dt_bias.data);
   P.state_indices = in.state_indices.data;
-  P.h0 = t4(in.initial_state);
-  P.d_final_state = t4(a.d_final_state);
-  P.dq = t4(a.dq);
-  P.dk = t4(a.dk);
-  P.dv = t4(a.dv);
-  P.dg = t4(a.dg);
-  P.dbeta = t4(a.dbeta);
+  P.h0 = tensor4(in.initial_state);
+  P.d_final_state = tensor4(a.d_final_state);
+  P.dq = tensor4(a.dq);
+  P.dk = tensor4(a.dk);
+  P.dv = tensor4(a.dv);
+  P.dg = tensor4(a.dg);
+  P.dbeta = tensor4(a.dbeta);
   P.dA_log = static_cast<float*>(a.dA_log.data);
   P.ddt_bias = static_cast<float*>(a.ddt_bias.data);
-  P.dh0 = t4(a.dh0);
+  P.dh0 = tensor4(a.dh0);
 
   const Layout L = make_layout(p, a);
   char* w = static_cast<char*>(workspace);

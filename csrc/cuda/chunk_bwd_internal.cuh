@@ -33,6 +33,20 @@ struct Tensor4 {  // a strided device tensor (element strides)
   int64_t s0, s1, s2;
   int32_t dtype;  // fgdn_dtype (read by the state tensors: fp32 | bf16 | fp16)
 };
+// A C ABI tensor as a Tensor4 (its first three strides; none below three dimensions).
+inline Tensor4 tensor4(const fgdn_tensor& t) {
+  Tensor4 r{};
+  r.data = t.data;
+  r.dtype = t.dtype;
+  if (t.ndim >= 3) {
+    r.s0 = t.strides[0];
+    r.s1 = t.strides[1];
+    r.s2 = t.strides[2];
+  }
+  return r;
+}
+// The backward's workspace regions start on 256-byte boundaries.
+inline size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
 struct BwdParams {
   // problem

@@ -13,8 +13,6 @@ namespace flashgdn::cuda::bwd {
 
 namespace {
 
-size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
-
 __global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (n >= seq.N) return;
@@ -87,13 +85,7 @@ void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* works
   P.seq = make_seq_layout(p, a.in);
   P.h = static_cast<float*>(a.saved_states.data);  // bf16 rows (start_states_kernel<bf16>)
   P.has_initial_state = p.has_initial_state;
-  P.h0.data = a.in.initial_state.data;
-  P.h0.dtype = a.in.initial_state.dtype;
-  if (p.has_initial_state) {
-    P.h0.s0 = a.in.initial_state.strides[0];
-    P.h0.s1 = a.in.initial_state.strides[1];
-    P.h0.s2 = a.in.initial_state.strides[2];
-  }
+  P.h0 = tensor4(a.in.initial_state);
   P.state_v_first = p.state_v_first;
   auto* first_row = static_cast<int64_t*>(workspace);
   char* fwd_ws = static_cast<char*>(workspace) + align256(static_cast<size_t>(p.N) * sizeof(int64_t));

@@ -37,8 +37,6 @@ namespace {
 namespace fk = sm90::fused_bwd;
 constexpr int kD = 128;
 
-size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
-
 // A 4-D tile map over a slot-layout bf16 buffer [rows, heads, 128] (sm90/tma.h's box).
 sm90::TileMap slot_map(const void* data, int64_t rows, int64_t heads) {
   fgdn_tensor t{};

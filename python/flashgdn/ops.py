@@ -12,8 +12,8 @@ Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
 Each has a ``register_fake`` implementation (shapes only, no data), so torch.compile traces a
 model that calls them with ``fullgraph=True``; the forward op has ``register_autograd``, whose
 backward calls the backward op (which recomputes from the saved inputs, taking ``do`` and the
-gradient of the final state, and the forward's saved states where it wrote them). Absent outputs are empty tensors at the op level; the Python
-wrapper turns them into None. The operators never synchronise the host with a CUDA device when
+gradient of the final state, and the forward's saved states where it wrote them). Absent outputs
+are empty tensors at the op level; the Python wrapper turns them into None. The operators never synchronise the host with a CUDA device when
 the host copy of ``cu_seqlens`` is given (``cu_seqlens_cpu`` / ``cu_seqlens_host``).
 """
 
