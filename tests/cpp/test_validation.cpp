@@ -32,6 +32,14 @@ struct Case {
   bool needs_values = false;
 };
 
+// The forward made dense (one 70-token row) with a checkpoint every 64 tokens: 1 row needed.
+void dense_checkpoints_every_64(Fixture& f) {
+  f.fa.in.cu_seqlens = fgdn_tensor_none();
+  f.fa.in.initial_state.shape[0] = 1;
+  f.fa.final_state.shape[0] = 1;
+  f.fa.checkpoint_every = 64;
+}
+
 // Both sides of every case start from the same valid inputs.
 void apply_inputs(Fixture& f, const std::function<void(fgdn_inputs&)>& m) {
   m(f.fa.in);
@@ -175,10 +183,7 @@ std::vector<Case> cases() {
   fwd("checkpoints_too_few_rows", [](Fixture& f) {
         // Sequences of 30 and 40 tokens every 64: 0 rows needed; every 64 on a 70-token dense
         // problem: 1 row. Make it dense with B = 1 and give zero rows.
-        f.fa.in.cu_seqlens = fgdn_tensor_none();
-        f.fa.in.initial_state.shape[0] = 1;
-        f.fa.final_state.shape[0] = 1;
-        f.fa.checkpoint_every = 64;
+        dense_checkpoints_every_64(f);
         f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {0, 4, 16, 32});
       },
       {"'checkpoints'", "at least R=1 rows"});
@@ -193,10 +198,7 @@ std::vector<Case> cases() {
       },
       {"'saved_states'", "fgdn_saved_states_rows is 0", "got a tensor"});
   fwd("saved_states_with_checkpoints", [](Fixture& f) {
-        f.fa.in.cu_seqlens = fgdn_tensor_none();
-        f.fa.in.initial_state.shape[0] = 1;
-        f.fa.final_state.shape[0] = 1;
-        f.fa.checkpoint_every = 64;
+        dense_checkpoints_every_64(f);
         f.fa.checkpoints = host_tensor(f.ck.data(), FGDN_FLOAT32, {1, 4, 16, 32});
         f.fa.saved_states = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
       },
