@@ -3,7 +3,8 @@
 # bwd_fused.cu (from git) built beside it into a second library for an A/B in the same call; the
 # fused tests, the fuzz and the backward tests of test_gpu.py; every gradient's error on the
 # benchmark's check inputs (with FlashQLA where scripts/gpu_bench.sh unpacked it); times of 16/64
-# and 2/8 at one 32768-token sequence, `default` and `fast`, branch against main.
+# and 2/8 at one 32768-token sequence, `default` and `fast`, branch against main; the benchmark's
+# backward and forward + backward rows (autograd, saved states) at 16/64 and 2/8.
 set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
@@ -43,4 +44,6 @@ for lib in $PWD/build-gpu $main_lib; do
     echo "$(basename $lib) $lv $1/$2: $r"
   done; done
 done
+timeout 120 python3 bench/run.py --full --contenders flashgdn --modes bwd,fwdbwd --configs 16/64,2/8 \
+  --layouts 1x32768,1x8192,4x8192 --no-check --prewarm 0 --target-ms 120 --out $OUT/island 2>&1 | grep -E "^(bwd|fwdbwd) "
 echo "done $((SECONDS - t0)) s"
