@@ -12,7 +12,8 @@ partials, summed, then rounded, against one rounding of the whole.
 
 --dalog prices the fused `default`'s dg and what the gate in the kernel makes of it: per head
 sum_t dg_t g_t (dA_log's sum, as d g_t / d A_log = g_t), with one more staged value kept exact at a
-time (docs/reliability.md D7), over --seeds draws.
+time (docs/reliability.md D7), over --seeds draws. The fused `default` stages Tb, dVn and R as fp16
+tiles (chunk_form_fused.island), every other staged value in bf16.
 
     python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B] [--halves]
     python bench/fused_precision.py --dalog [--T 257] [--heads 4] [--seeds 4]
@@ -39,6 +40,10 @@ POLICIES = {
         set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg", "dVn", "Tb"},
     "as the last, and Ar exact": set(cf.STAGED) - {"S0", "dS_mirror", "dVg", "dOg", "dVn", "Tb", "Ar"},
 }
+# Policies with the fp16 island (Tb, dVn, R as fp16 tiles; chunk_form_fused.island): points -> policy.
+ISLAND_POLICIES = {
+    "the fused `default`: every staged value, Tb, dVn, R as fp16 tiles": set(cf.STAGED),
+}
 
 
 def head_inputs(rng, T, K, A, keys="normal", beta_value=None):
@@ -55,9 +60,8 @@ def head_inputs(rng, T, K, A, keys="normal", beta_value=None):
     return q, k, v, g, beta, K ** -0.5, s0, do, dht
 
 
-_SPLIT = {"Tb", "dVn"}  # the fused `default` stages these as hi + lo
 DALOG_POLICIES = {
-    "fused `default` (every staged value but Tb, dVn)": (),
+    "fused `default` (every staged value; Tb, dVn, R as fp16 tiles)": (),
     "+ S0 exact": ("S0",),
     "+ dS mirror exact": ("dS_mirror",),
     "+ S0, dS mirror exact": ("S0", "dS_mirror"),
@@ -79,7 +83,7 @@ def dalog_table(T, n_heads, K, seeds):
         exact = [cf.backward(*x) for x in heads]
         da_exact = np.array([(e[3] * x[3]).sum() for e, x in zip(exact, heads)])
         for label, keep in DALOG_POLICIES.items():
-            got = [cf.backward(*x, rnd=cf.staged(set(cf.STAGED) - _SPLIT - set(keep))) for x in heads]
+            got = [cf.backward(*x, rnd=cf.island(set(cf.STAGED) - set(keep))) for x in heads]
             dg = np.sqrt(sum(((g[3] - e[3]) ** 2).sum() for g, e in zip(got, exact)) /
                          sum((e[3] ** 2).sum() for e in exact))
             da = np.array([(g[3] * x[3]).sum() for g, x in zip(got, heads)])
@@ -138,8 +142,10 @@ def main():
           "relative L2 error against the unrounded backward")
     print("| policy | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
-    for label, points in POLICIES.items():
-        got = [cf.backward(*x, rnd=cf.staged(points)) for x in heads]
+    policies = [(label, cf.staged(points)) for label, points in POLICIES.items()]
+    policies += [(label, cf.island(points)) for label, points in ISLAND_POLICIES.items()]
+    for label, rnd in policies:
+        got = [cf.backward(*x, rnd=rnd) for x in heads]
         errs = []
         for i in range(len(names)):
             num = sum(((g[i] - e[i]) ** 2).sum() for g, e in zip(got, exact))

@@ -135,8 +135,8 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.cp_maps = F.maps;
   K.cp_seeds = F.seeds;
   K.bound = F.bound;
-  // `default` splits T diag(beta) and dV_new into hi + lo bf16 halves (fk::fused_bwd's kSplit);
-  // `fast` stages them single, as every other intermediate.
+  // `default` stages T diag(beta), dV_new and R in fp16, each tile scaled (fk::fused_bwd's
+  // kF16Island); `fast` stages them in bf16, as every other intermediate.
   const auto kernel = P.precision_fast ? fk::fused_bwd<false> : fk::fused_bwd<true>;
   constexpr size_t kSmem = sizeof(fk::Smem) + 1024;
   set_dynamic_smem(kernel, kSmem);

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <utility>
 
@@ -77,50 +79,58 @@ __device__ __forceinline__ void fst2(bf16* tile, const Frag& f, int e, float x, 
   *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(tile) + foff(f, e, kRows, blk, m)) = __floats2bfloat162_rn(x, y);
 }
 
-// d (+)= A B, both from shared memory (wgmma.cuh, bf16); tA / tB: the operand is MN-major.
-template <int tA, int tB>
+// Elements e, e + 1 as one fp16 pair: a tile of the fp16 island (bwd_fused_kernel.cuh, kF16Island),
+// already scaled into fp16's range (pow2_scale).
+template <int kRows = 64>
+__device__ __forceinline__ void fst2_f16(bf16* tile, const Frag& f, int e, float x, float y, int blk = 0, int m = 0) {
+  *reinterpret_cast<__half2*>(reinterpret_cast<char*>(tile) + foff(f, e, kRows, blk, m)) = __floats2half2_rn(x, y);
+}
+
+// d (+)= A B, both from shared memory (wgmma.cuh; T: both operands' type, bf16 unless a product
+// names fp16); tA / tB: the operand is MN-major.
+template <int tA, int tB, typename T = bf16>
 __device__ __forceinline__ void ss64(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-  wgmma_ss_n64<bf16, tB, tA>(d, a, b, acc);
+  wgmma_ss_n64<T, tB, tA>(d, a, b, acc);
 }
-template <int tA, int tB>
+template <int tA, int tB, typename T = bf16>
 __device__ __forceinline__ void ss64_first(float (&d)[32], uint64_t a, uint64_t b) {
-  wgmma_ss_n64_first<tB, tA>(d, a, b);
+  wgmma_ss_n64_first<T, tB, tA>(d, a, b);
 }
-template <int tA, int tB>
+template <int tA, int tB, typename T = bf16>
 __device__ __forceinline__ void ss128(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b, int acc) {
-  wgmma_ss_n128<bf16, tB, tA>(d0, d1, a, b, acc);
+  wgmma_ss_n128<T, tB, tA>(d0, d1, a, b, acc);
 }
-template <int tA, int tB>
+template <int tA, int tB, typename T = bf16>
 __device__ __forceinline__ void ss128_first(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b) {
-  wgmma_ss_n128_first<tB, tA>(d0, d1, a, b);
+  wgmma_ss_n128_first<T, tB, tA>(d0, d1, a, b);
 }
 
 // A product of `steps` k-steps, waited for: D (+)= A B. fa(s), fb(s): the descriptors of step s.
-template <int tA, int tB, int kSteps, class FA, class FB>
+template <int tA, int tB, int kSteps, typename T = bf16, class FA, class FB>
 __device__ __forceinline__ void mm64(float (&d)[32], FA fa, FB fb, bool accumulate) {
   __syncwarp();  // wgmma and its fence are .sync.aligned: the warp converged (as bwd_tiles.cuh)
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     if (s == 0 && !accumulate)
-      ss64_first<tA, tB>(d, fa(s), fb(s));
+      ss64_first<tA, tB, T>(d, fa(s), fb(s));
     else
-      ss64<tA, tB>(d, fa(s), fb(s), 1);
+      ss64<tA, tB, T>(d, fa(s), fb(s), 1);
   }
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(d);
 }
-template <int tA, int tB, int kSteps, class FA, class FB>
+template <int tA, int tB, int kSteps, typename T = bf16, class FA, class FB>
 __device__ __forceinline__ void mm128(float (&d)[2][32], FA fa, FB fb, bool accumulate) {
   __syncwarp();
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     if (s == 0 && !accumulate)
-      ss128_first<tA, tB>(d[0], d[1], fa(s), fb(s));
+      ss128_first<tA, tB, T>(d[0], d[1], fa(s), fb(s));
     else
-      ss128<tA, tB>(d[0], d[1], fa(s), fb(s), 1);
+      ss128<tA, tB, T>(d[0], d[1], fa(s), fb(s), 1);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -130,30 +140,30 @@ __device__ __forceinline__ void mm128(float (&d)[2][32], FA fa, FB fb, bool accu
 
 // A product issued, not waited for: D's registers belong to the tensor cores until mm_wait<n>
 // (at most n groups still in flight) with D fenced again; nothing may touch them in between.
-template <int tA, int tB, int kSteps, class FA, class FB>
+template <int tA, int tB, int kSteps, typename T = bf16, class FA, class FB>
 __device__ __forceinline__ void mm64_issue(float (&d)[32], FA fa, FB fb) {
   __syncwarp();
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     if (s == 0)
-      ss64_first<tA, tB>(d, fa(s), fb(s));
+      ss64_first<tA, tB, T>(d, fa(s), fb(s));
     else
-      ss64<tA, tB>(d, fa(s), fb(s), 1);
+      ss64<tA, tB, T>(d, fa(s), fb(s), 1);
   }
   wgmma_commit();
   fence_regs(d);
 }
-template <int tA, int tB, int kSteps, class FA, class FB>
+template <int tA, int tB, int kSteps, typename T = bf16, class FA, class FB>
 __device__ __forceinline__ void mm128_issue(float (&d)[2][32], FA fa, FB fb) {
   __syncwarp();
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     if (s == 0)
-      ss128_first<tA, tB>(d[0], d[1], fa(s), fb(s));
+      ss128_first<tA, tB, T>(d[0], d[1], fa(s), fb(s));
     else
-      ss128<tA, tB>(d[0], d[1], fa(s), fb(s), 1);
+      ss128<tA, tB, T>(d[0], d[1], fa(s), fb(s), 1);
   }
   wgmma_commit();
   fence_regs(d[0]);
@@ -189,6 +199,35 @@ __device__ __forceinline__ float octet_sum(float x) {
   return x + __shfl_xor_sync(~0u, x, 16);
 }
 __device__ __forceinline__ void role_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// A tile's scale into fp16 and back, both powers of two (exact): for a tile whose largest magnitude
+// m lies in [2^e, 2^(e+1)), s = 2^(14 - e), so that m s lies in [2^14, 2^15), below fp16's largest
+// value (65504), and every value within 2^-10 of m keeps fp16's 11 bits; s = 1 for a tile of zeros,
+// or one with an inf or NaN (which then propagate as unscaled). The biased exponents are clamped to
+// [1, 253], so that s and 1 / s are normal floats.
+struct Pow2Scale {
+  float s, inv;
+};
+__device__ __forceinline__ Pow2Scale pow2_scale(float m) {
+  if (!(m > 0.f) || !(m <= FLT_MAX)) return {1.f, 1.f};
+  const int e = int((__float_as_uint(m) >> 23) & 0xffu) - 127;
+  const int b = min(max(127 + 14 - e, 1), 253);
+  return {__uint_as_float(uint32_t(b) << 23), __uint_as_float(uint32_t(254 - b) << 23)};
+}
+// The scale of a tile whose four warps' largest magnitudes are in part[0..3] (role_scale's).
+__device__ __forceinline__ Pow2Scale pow2_scale_of(const float* part) {
+  return pow2_scale(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+}
+// The scale of a tile one role holds in its 128 threads' registers, each thread's largest magnitude
+// m: the warp's by shuffles, the four warps' through part[4] and the role's named barrier `bar`;
+// another role reads part after a stage barrier (pow2_scale_of).
+__device__ __forceinline__ Pow2Scale role_scale(float m, float* part, int bar) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  if ((threadIdx.x & 31) == 0) part[(threadIdx.x >> 5) & 3] = m;
+  role_sync(bar);
+  return pow2_scale_of(part);
+}
 
 // e^x as one MUFU (ex2.approx.ftz; __expf adds range handling around the same instruction).
 __device__ __forceinline__ float fexp(float x) {

@@ -1,12 +1,11 @@
 // The fused reverse kernel of the backward at `fast` and `default` (issue 36; bench/fused-backward.md):
 // one CTA of four warpgroups per (sequence, value head) walks the sequence's chunks last to first
 // with the carry dS = dL/dS (K x V, fp32, in registers), for K = V = 128, bf16. Each chunk runs the
-// stage table of tests/python/fused_schedule.py, op for op (SCHEDULE; `default`'s T diag(beta) and
-// dVn as hi + lo: SCHEDULE_DEFAULT): 16 stages separated by mbarriers, products on wgmma with bf16
-// operands and fp32 accumulation.
+// stage table of tests/python/fused_schedule.py, op for op (SCHEDULE): 16 stages separated by
+// mbarriers, products on wgmma with 16-bit operands (bf16; at `default` T diag(beta), dVn and R in
+// fp16, each tile scaled by a power of two: kF16Island) and fp32 accumulation.
 //   producer (warpgroup 3): warp 0 loads q, k, v, S0 (after stage 10) and dO, Ar (after 13) of the
 //            chunk before through TMA; warp 2 brings c and beta; warp 1 stores dk, dv, dq tiles;
-//            at `default` warp 3 loads q again after stage 5 (dVn's lo half lived in its tile);
 //   C (warpgroup 0): the carry: dS = e^{c_L} dS + K^T dVg + Q^T dOg, and <dS, S0> for dg;
 //   D (warpgroup 1): dVn = e^{c_L - c} (.) K dS + P^T dO, dR = Tb^T dVn (dv), dK;
 //   R (warpgroup 2): the recompute of P, Tb, K S0, R, Vn and dP, dQ, dAr, X, dA, dbeta, dg.
@@ -45,17 +44,15 @@ __host__ __device__ constexpr bool frees_out(int s) {
 }
 // Who arrives where, by the roles: the compute warpgroups' threads and the producer's store warp
 // (all lanes) on the stage barriers; one elected lane of the producer's load warp
-// (arrive_expect_tx), of its (c, beta) warp and of its reload warp on the full barriers.
+// (arrive_expect_tx) and of its (c, beta) warp on the full barriers.
 constexpr uint32_t kStoreWarpArrivals = 32, kElectedLaneArrivals = 1;
 // Stage s's barrier: every compute thread, and the store warp where stage s frees `out`.
 __host__ __device__ constexpr uint32_t stage_arrivals(int s) {
   return kComputeWarpgroups * kWarpgroupThreads + (frees_out(s) ? kStoreWarpArrivals : 0);
 }
-// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival; full2
-// (kSplit): the reload warp's arrive_expect_tx for q's second load.
+// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
 constexpr uint32_t kFull0Arrivals = kElectedLaneArrivals;
 constexpr uint32_t kFull1Arrivals = 2 * kElectedLaneArrivals;
-constexpr uint32_t kFull2Arrivals = kElectedLaneArrivals;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
@@ -74,7 +71,8 @@ struct alignas(1024) Smem {
   float c[64], beta[64];                 // c then beta (the producer's warp 2 stores them as one)
   float dc_R[64], dc_D[64], dbeta_R[64];
   float dcl_part[4], kt_part[4];
-  Mbarrier bar[kStages], full0, full1, full2;  // full2: q again after stage 5 (kSplit)
+  float amax_tb[4], amax_dvn[4], amax_r[4];  // kF16Island: each warp's largest |x| of Tb, dVn, R
+  Mbarrier bar[kStages], full0, full1;
 };
 
 // The carry's element (a, v) = (64 m + row, 64 hf + col) of element e as an offset into a state
@@ -129,7 +127,7 @@ __device__ __forceinline__ Descs opaque(Descs d) {
 // gradient is written, and the producer loads no v, S0. An instantiation of its own, chosen once
 // at the kernel's top: branches between products at run time left ptxas unable to follow them
 // (serialised wgmma, spills), and values kept across the roles' register split were spilled.
-template <bool kCarryOnly, bool kSplit>
+template <bool kCarryOnly, bool kF16Island>
 __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h, int seg, bool zero_do) {
   constexpr bool transfer = kCarryOnly;  // no gradient written
   extern __shared__ __align__(16) uint8_t raw[];
@@ -152,7 +150,6 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
   if (tid == kStages) S.full0.init(kFull0Arrivals);
   if (tid == kStages + 1) S.full1.init(kFull1Arrivals);
-  if (tid == kStages + 2) S.full2.init(kFull2Arrivals);
   fence_barrier_init();
   if (zero_do) {  // dO stays zero: the producer loads none
     for (int j = tid; j < int(kTile / 16); j += kThreads) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
@@ -215,16 +212,6 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         load0(i + 1);
         S.bar[13].wait(i & 1);
         load1(i + 1);
-      }
-    } else if (warp == 3) {  // kSplit: q again once stage 5 is done with dVn's lo half in its tile
-      if constexpr (kSplit) {
-        if (lane == 0) {
-          for (int i = 0; i < N; ++i) {
-            S.bar[5].wait(i & 1);
-            S.full2.arrive_expect_tx(kTile);
-            tile(S.q, P.tq, hq, i, &S.full2);
-          }
-        }
       }
     } else if (warp == 2) {  // c, beta: 128 floats, four a lane, c then beta as in Smem
       for (int i = 0; i < N; ++i) {
@@ -379,32 +366,36 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         if (s == 2)  // P3: dVn += P^T dO
           mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t11, 64, k); }, [&](int k) { return mnmaj(dd, S, S.dO, 64, k); },
                          true);
-        if (s == 3) {  // dVn staged in t21 (kSplit: its lo half in q's tile, which R is done with until
-                       // stage 9 and the producer loads again after stage 5)
-          if constexpr (kSplit) {  // hi to t21, lo to q, each pair's offset formed once for both
+        if (s == 3) {  // dVn staged in t21 (kF16Island: fp16, scaled by sd)
+          if constexpr (kF16Island) {
+            float m = 0.f;
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-              for (int e = 0; e < 32; e += 2) {
-                const uint32_t o = foff(fr, e, 64, hf, 0);
-                const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[hf][e], acc[hf][e + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(S.t21) + o) = hi;
-                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<char*>(S.q) + o) =
-                    __floats2bfloat162_rn(acc[hf][e] - __low2float(hi), acc[hf][e + 1] - __high2float(hi));
-              }
+              for (int e = 0; e < 32; ++e) m = fmaxf(m, fabsf(acc[hf][e]));
+            const Pow2Scale sd = role_scale(m, S.amax_dvn, kBarD);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; e += 2) fst2_f16(S.t21, fr, e, sd.s * acc[hf][e], sd.s * acc[hf][e + 1], hf);
           } else {
             emit(S.t21);
           }
           fence_proxy_async();
         }
-        if (s == 4) {  // P5: dR = Tb^T dVn (kSplit: both split); dv to out
-          mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t21, 64, k); },
-                         false);
-          if constexpr (kSplit) {  // + Tb_lo^T dVn + Tb^T dVn_lo
-            mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); },
-                           [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, true);
+        if (s == 4) {  // P5: dR = Tb^T dVn (kF16Island: on fp16, then both tiles' scales undone); dv to out
+          if constexpr (kF16Island) {
+            mm128<1, 1, 4, __half>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
+                                   [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
+            // One scale at a time (exact): their product alone could leave the float range.
+            const float it = pow2_scale_of(S.amax_tb).inv, id = pow2_scale_of(S.amax_dvn).inv;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; ++e) acc[hf][e] = acc[hf][e] * it * id;
+          } else {
             mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
-                           [&](int k) { return mnmaj(dd, S, S.q, 64, k); }, true);
+                           [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
           }
           if (!transfer) {
             emit(S.out);
@@ -546,24 +537,36 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           }
           fence_proxy_async();
         }
-        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kSplit: hi in t12, lo in t13), while P4 runs
+        if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kF16Island: fp16, scaled), while P4 runs
           const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
+          if constexpr (kF16Island) {  // Tb in x (free until P6 writes it at stage 5) until its scale is known
+            float m = 0.f;
 #pragma unroll
-          for (int e = 0; e < 32; e += 2) {
-            const int r = frow(fr, e), col = fcol(fr, e);
-            const float2 a = fld2(S.ar, fr, e);
-            const float t0 = gam_at(cf, e, r, col) * a.x * col_of(bf, e);
-            const float t1 = gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1);
-            fst2(S.t12, fr, e, t0, t1);
-            if constexpr (kSplit)  // lo = Tb - bf16(Tb)
-              fst2(S.t13, fr, e, t0 - __bfloat162float(__float2bfloat16_rn(t0)),
-                   t1 - __bfloat162float(__float2bfloat16_rn(t1)));
+            for (int e = 0; e < 32; e += 2) {
+              const int r = frow(fr, e), col = fcol(fr, e);
+              const float2 a = fld2(S.ar, fr, e);
+              x[e] = gam_at(cf, e, r, col) * a.x * col_of(bf, e);
+              x[e + 1] = gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1);
+              m = fmaxf(m, fmaxf(fabsf(x[e]), fabsf(x[e + 1])));
+            }
+            const Pow2Scale st = role_scale(m, S.amax_tb, kBarR);
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) fst2_f16(S.t12, fr, e, st.s * x[e], st.s * x[e + 1]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+              const int r = frow(fr, e), col = fcol(fr, e);
+              const float2 a = fld2(S.ar, fr, e);
+              fst2(S.t12, fr, e, gam_at(cf, e, r, col) * a.x * col_of(bf, e),
+                   gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1));
+            }
           }
           fence_proxy_async();
         }
         if (s == 3 && !transfer) mm_wait<0>(wide);  // P4: K S0 (issued at stage 0)
-        if (s == 4 && !transfer) {  // K S0 staged in t23, R = V - e^c (.) K S0 staged in t22
+        if (s == 4 && !transfer) {  // K S0 staged in t23, R = V - e^c (.) K S0 staged in t22 (kF16Island: fp16, scaled)
           const float ec[2] = {fexp(c[fr.r0]), fexp(c[fr.r0 + 8])};
+          [[maybe_unused]] float m = 0.f;  // kF16Island: R's largest magnitude
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
@@ -573,23 +576,43 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
               const float k0 = __low2float(kb), k1 = __high2float(kb);
               const float f = ec[(e >> 1) & 1];
               const float2 vv = fld2(S.v, fr, e, hf);
-              fst2(S.t22, fr, e, vv.x - f * k0, vv.y - f * k1, hf);
+              if constexpr (kF16Island) {  // R kept in wide (K S0 is not read again) until its scale is known
+                wide[hf][e] = vv.x - f * k0;
+                wide[hf][e + 1] = vv.y - f * k1;
+                m = fmaxf(m, fmaxf(fabsf(wide[hf][e]), fabsf(wide[hf][e + 1])));
+              } else {
+                fst2(S.t22, fr, e, vv.x - f * k0, vv.y - f * k1, hf);
+              }
             }
+          if constexpr (kF16Island) {
+            const Pow2Scale sr = role_scale(m, S.amax_r, kBarR);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; e += 2) fst2_f16(S.t22, fr, e, sr.s * wide[hf][e], sr.s * wide[hf][e + 1], hf);
+          }
           fence_proxy_async();
         }
         if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
-          if constexpr (kSplit)  // [dVn_hi dVn_lo] [R R]^T: one chain of 16 k-steps, the lo half's from q's tile
-            mm64<0, 0, 16>(x, [&](int k) { return k < 8 ? kmaj(dd, S, S.t21, 64, k) : kmaj(dd, S, S.q, 64, k - 8); },
-                           [&](int k) { return kmaj(dd, S, S.t22, 64, k & 7); }, false);
-          else
+          if constexpr (kF16Island) {  // on the fp16 tiles, then their scales undone (one at a time: exact)
+            mm64<0, 0, 8, __half>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); },
+                                  [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, false);
+            mm128<0, 1, 4, __half>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); },
+                                   [&](int k) { return mnmaj(dd, S, S.t22, 64, k); }, false);
+            const float id = pow2_scale_of(S.amax_dvn).inv, ir = pow2_scale_of(S.amax_r).inv,
+                        it = pow2_scale_of(S.amax_tb).inv;
+#pragma unroll
+            for (int e = 0; e < 32; ++e) x[e] = x[e] * id * ir;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 32; ++e) wide[hf][e] = wide[hf][e] * it * ir;
+          } else {
             mm64<0, 0, 8>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); },
                           false);
-          if constexpr (kSplit)  // [Tb_hi Tb_lo] [R; R]: one chain of 8 k-steps
-            mm128<0, 1, 8>(wide, [&](int k) { return k < 4 ? kmaj(dd, S, S.t12, 64, k) : kmaj(dd, S, S.t13, 64, k - 4); },
-                           [&](int k) { return mnmaj(dd, S, S.t22, 64, k & 3); }, false);
-          else
             mm128<0, 1, 4>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                            false);
+          }
           role_sync(kBarR);  // every R warp has read dVn from t21 before it becomes Vn
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
@@ -667,7 +690,6 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           mm128<0, 0, 8>(wide, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.s0, 128, k); },
                          false);
         if (s == 9) {  // dQ = scale e^c (.) dQ~; dg's Q~ term; Q copied to t21 (for the carry's P18)
-          if constexpr (kSplit) S.full2.wait(ph);  // q loaded again (dVn's lo half was in its tile)
           if (!transfer) {
             float rs[2] = {0.f, 0.f};
             const float fq[2] = {scale * fexp(c[fr.r0]), scale * fexp(c[fr.r0 + 8])};
@@ -783,12 +805,12 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   }
 }
 
-// kSplit (`default`): T diag(beta) and dVn staged as hi + lo bf16 halves, so the products that
-// take them carry their fp32 values: Tb's lo half in t13 (free from stage 15 to stage 6) for P5
-// (dR = Tb^T dVn, the dv) and P7 (Vn = Tb R); dVn's in q's tile (R reads q at stages 0 and 9 only;
-// the producer loads it again after stage 5) for P5 and P6 (dT~ = dVn R^T, dbeta's T term and
-// dA's). bench/fused-backward.md, "Now".
-template <bool kSplit>
+// kF16Island (`default`): T diag(beta), dVn and R, the operands of P5 (dR = Tb^T dVn, the dv), P6
+// (dT~ = dVn R^T: dbeta's T term, dA's) and P7 (Vn = Tb R), staged in fp16 instead of bf16 (11
+// significant bits against 8), each tile scaled by a power of two into fp16's range (its largest
+// magnitude to [2^14, 2^15): gradients far below 1 stay normal) and the products' scales undone
+// after them. Every other staged value stays bf16. bench/fused-backward.md, "The fp16 island".
+template <bool kF16Island>
 __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
   // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
   // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.seg_chunks > 0) segment
@@ -800,8 +822,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
   const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
   const WalkKind kind = walk_kind(P, n_seq, h, seg, phase1, zero_do);
   if (kind == WalkKind::kTransfer)
-    fused_walk<true, kSplit>(P, n_seq, h, seg, zero_do);
+    fused_walk<true, kF16Island>(P, n_seq, h, seg, zero_do);
   else if (kind != WalkKind::kNone)
-    fused_walk<false, kSplit>(P, n_seq, h, seg, zero_do);
+    fused_walk<false, kF16Island>(P, n_seq, h, seg, zero_do);
 }
 }  // namespace flashgdn::sm90::fused_bwd

@@ -167,24 +167,32 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d0)[32], float (&d1)[32], 
 #undef FGDN_SS128
 }
 
-// The first k-step of a product that does not accumulate, bf16: D = A B with D written only
-// ("=f"), so that D's earlier values are dead before it (with "+f" they stay live from their last
-// use to here: registers a role that holds many accumulators cannot spare).
+// The first k-step of a product that does not accumulate: D = A B with D written only ("=f"),
+// so that D's earlier values are dead before it (with "+f" they stay live from their last use to
+// here: registers a role that holds many accumulators cannot spare).
 #define FGDN_W8(d, i)                                                                        \
   "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
       "=f"(d[i + 6]), "=f"(d[i + 7])
 #define FGDN_W32(d) FGDN_W8(d, 0), FGDN_W8(d, 8), FGDN_W8(d, 16), FGDN_W8(d, 24)
-template <int kTransB = 0, int kTransA = 0>
+template <typename T, int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_ss_n64_first(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FGDN_D32 ", %32, %33, 0, 1, 1, %34, %35;\n"
-               : FGDN_W32(d)
-               : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB));
+#define FGDN_SS64_FIRST(TY)                                                                                 \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " FGDN_D32 ", %32, %33, 0, 1, 1, %34, %35;\n" \
+               : FGDN_W32(d)                                                                                \
+               : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB))
+  if constexpr (WgmmaType<T>::kBf16) FGDN_SS64_FIRST("bf16");
+  else FGDN_SS64_FIRST("f16");
+#undef FGDN_SS64_FIRST
 }
-template <int kTransB = 0, int kTransA = 0>
+template <typename T, int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_ss_n128_first(float (&d0)[32], float (&d1)[32], uint64_t a, uint64_t b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FGDN_D64 ", %64, %65, 0, 1, 1, %66, %67;\n"
-               : FGDN_W32(d0), FGDN_W32(d1)
-               : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB));
+#define FGDN_SS128_FIRST(TY)                                                                                \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " FGDN_D64 ", %64, %65, 0, 1, 1, %66, %67;\n" \
+               : FGDN_W32(d0), FGDN_W32(d1)                                                                 \
+               : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB))
+  if constexpr (WgmmaType<T>::kBf16) FGDN_SS128_FIRST("bf16");
+  else FGDN_SS128_FIRST("f16");
+#undef FGDN_SS128_FIRST
 }
 #undef FGDN_W8
 #undef FGDN_W32

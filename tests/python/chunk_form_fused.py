@@ -75,6 +75,32 @@ def staged(points=STAGED):
     return lambda name, x: round_bf16(x) if name in points else x
 
 
+def round_fp16_tile(x):
+    """x staged as the kernel's fp16 island stages a tile: scaled by s = 2^(14 - e), e = floor(log2
+    max|x|) (the biased exponent clamped to [1, 253]; s = 1 for zeros, inf or NaN), rounded to fp16
+    (nearest, ties to even, subnormals as the hardware's), scaled back: both scalings exact."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.abs(x).max() if x.size else 0.0
+    if not (0.0 < m < np.inf):
+        return x.astype(np.float16).astype(np.float64)
+    e = int(np.frexp(np.float32(m))[1]) - 1  # m in [2^e, 2^(e + 1))
+    b = min(max(127 + 14 - e, 1), 253)
+    s = 2.0 ** (b - 127)
+    return (x * s).astype(np.float32).astype(np.float16).astype(np.float64) / s
+
+
+# `default`'s fp16 tiles (bwd_fused_kernel.cuh, kF16Island): the operands of P5 (Tb^T dVn), P6
+# (dVn R^T) and P7 (Tb R), each a tile scaled into fp16's range; every other staging stays bf16.
+F16_ISLAND = ("Tb", "dVn", "R")
+
+
+def island(points=STAGED):
+    """The fused `default`'s policy: fp16 tiles (round_fp16_tile) at F16_ISLAND, bf16 at the other
+    named staging points, exact elsewhere."""
+    points = set(points)
+    return lambda name, x: (round_fp16_tile(x) if name in F16_ISLAND else round_bf16(x)) if name in points else x
+
+
 def chunk_backward(Q, K, V, gc, B, dO, S0, dS, scale, rnd=exact):
     """One chunk of the reverse walk: its dq, dk, dv, dg, dbeta and the carry dS at its start,
     from its inputs, its start state S0 and dS at its end."""

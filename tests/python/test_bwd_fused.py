@@ -94,11 +94,11 @@ def test_fused_dense(B, T, Hq, Hv, level):
     check_grads(c, backward(c, do, dht, level), do, dht, f"dense {B}x{T} {Hq}/{Hv}", level)
 
 
-def test_fused_default_splits_tb():
-    """`default` stages T diag(beta) as hi + lo halves (bwd_fused_kernel.cuh, kSplitTb): dv, which
-    takes no chunk-start state (dv = (T diag(beta))^T dVn), then differs from `fast`'s and is closer
-    to the oracle (by the CPU emulation ~11%, bench/fused-backward.md "Precision"). Without the
-    split the two levels' dv would be the same bits."""
+def test_fused_default_stages_the_fp16_island():
+    """`default` stages T diag(beta), dVn and R as fp16 tiles (bwd_fused_kernel.cuh, kF16Island): dv,
+    which takes no chunk-start state (dv = (T diag(beta))^T dVn), then differs from `fast`'s (bf16)
+    and is closer to the oracle (by the CPU emulation ~25%, bench/fused-backward.md "The fp16
+    island"). With the same staging the two levels' dv would be the same bits."""
     c = make_case(B=1, T=1024, Hq=2, Hv=8, K=128, V=128, device=DEV, l2norm=True)
     do, dht = inputs_of(c)
     ref = oracle_backward(c, do, dht)["dv"]
