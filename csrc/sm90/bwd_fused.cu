@@ -5,8 +5,8 @@
 //   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
 //               bf16 in slot layout (zero past the length), K K^T once, then per value head c
 //               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
-//               gates; v, dO too on varlen calls (dense calls read the user's v, dO in place:
-//               FusedLayout::vo_direct)
+//               gates; v, dO too unless the kernel reads the user's in place (dense calls and
+//               packed ones on chunk boundaries: FusedLayout::vo_direct)
 //   3. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
 //               under reverse CP (bwd_dh_plan.h's segments, when the chains are too few for the
 //               SMs): 3a. the last segment walked from dht (its start carry the seed of the one
@@ -65,7 +65,7 @@ bool fused_backward_applies(const Problem& p) {
 FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t S = static_cast<size_t>(num_chunk_slots(p)), C = kC, D = kD;
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
-  const bool direct = !p.varlen && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
+  const bool direct = chunks_own_their_rows(p) && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
   const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
   const int32_t out_count = dv_direct ? 2 : 3;
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;

@@ -19,8 +19,9 @@ namespace flashgdn::cuda::bwd {
 bool fused_backward_applies(const Problem& p);
 
 // Its per-chunk buffers, every chunk slot at once (the walk covers whole sequences), in order.
-// vo_direct: the kernel reads v and dO from the user's tensors (dense calls whose v and dO TMA
-// can address: a partial chunk only at T's end, where the map reads zeros); no copies then.
+// vo_direct: the kernel reads v and dO from the user's tensors (where every chunk's rows are its
+// own, bwd_dh_plan.h's chunks_own_their_rows, and TMA can address v and dO: a partial chunk only
+// at a row's or the tensor's end, where the map reads zeros); no copies then.
 struct FusedLayout {
   enum { kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
   size_t off[kCount];

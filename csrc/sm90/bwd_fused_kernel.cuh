@@ -138,13 +138,15 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   // The walk (bwd_fused_scheduler.cuh): N chunks from chunk `first`, unit rows from u0. Each role
   // takes them after its register allocation (chain()): values live across the roles' split were
   // spilled.
-  int N, u0, first;
+  int N, u0, first, row_b, row_t0;
   bool from_dht;
   const auto chain = [&]() {
     const Walk w = walk_of(P, n_seq, h, seg);
     N = w.chunks;
     u0 = w.u0;
     first = w.first;
+    row_b = w.b;
+    row_t0 = w.t0;
     from_dht = w.from_dht;
   };
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
@@ -176,10 +178,11 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
       tma_load_4d(dst, &m.map, bar, c0, o.at(1, head, row, b), o.at(2, head, row, b), o.at(3, head, row, b));
     };
     // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
-    // tensor's (batch row n, tokens from 64 (N - 1 - i): dense only, rows past T read as zeros).
+    // tensor's (the sequence's batch row, tokens from its first + 64 (first + N - 1 - i): rows
+    // past the tensor's end read as zeros; FusedLayout::vo_direct).
     auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
-      const int row = direct ? (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
-      const int b = direct ? static_cast<int>(n_seq) : 0;
+      const int row = direct ? row_t0 + (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
+      const int b = direct ? row_b : 0;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
     };
@@ -229,9 +232,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           S.bar[out_written(j)].wait(i & 1);
           // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
           if (lane == 0 && (j > 0 || i > 0) && !transfer) {
-            if (j == 1 && P.dv_direct) {  // dv into the user's tensor: batch row n_seq, tokens from 64 (first + n)
+            if (j == 1 && P.dv_direct) {  // dv into the user's tensor: the sequence's rows of chunk first + n
               const TileMapOrder& o = P.tdv.order;
-              const int row = (first + n) * 64, b = static_cast<int>(n_seq);
+              const int row = row_t0 + (first + n) * 64, b = row_b;
 #pragma unroll
               for (int blk = 0; blk < 2; ++blk)
                 tma_store_4d(&P.tdv.map, S.out + blk * 64 * 64, blk * 64, o.at(1, h, row, b), o.at(2, h, row, b),

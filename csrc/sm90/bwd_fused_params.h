@@ -32,7 +32,7 @@ struct Params {
   cuda::bwd::Tensor4 dht, dh0;
   const void* state_indices;
   int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
-  int32_t vo_direct;  // tv, tdo map the user's v, dO (dense calls whose tensors TMA can address)
+  int32_t vo_direct;  // tv, tdo map the user's v, dO (FusedLayout::vo_direct)
   // dv_direct (vo_direct calls whose dv TMA can address): dv tiles stored through tdv into the
   // user's dv (rows past T not written), out_tiles then holds dk, dq only: out_count 2, else 3.
   TileMap tdv;

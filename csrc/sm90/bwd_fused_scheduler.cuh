@@ -14,9 +14,11 @@ namespace flashgdn::sm90::fused_bwd {
 // Segment `seg` of sequence n, value head h (the whole sequence when P.seg_chunks is 0): `chunks`
 // chunks from chunk `first` (0 or fewer: a segment past the sequence's end), `total` the
 // sequence's; unit rows (slot Hv + h) as 32-bit integers from u0 (the launcher checks the range);
-// from_dht: it ends the sequence, so its carry starts from d_final_state.
+// from_dht: it ends the sequence, so its carry starts from d_final_state. b, t0: the sequence's
+// batch row and first token in the caller's [B, T, H, D] tensors (dense n, 0; packed 0, cu[n]).
 struct Walk {
   int chunks, first, total, u0;
+  int b, t0;
   bool from_dht;
 };
 __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int seg) {
@@ -27,6 +29,8 @@ __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int s
   w.chunks = P.seg_chunks > 0 ? min(w.total - w.first, P.seg_chunks) : w.total;
   w.from_dht = w.first + w.chunks == w.total;
   w.u0 = static_cast<int>(cuda::chunk_slot(P.seq, n, w.first, si.t0)) * P.Hv + h;
+  w.b = static_cast<int>(si.b);
+  w.t0 = static_cast<int>(si.t0);
   return w;
 }
 

@@ -87,6 +87,30 @@ def test_fused_options_varlen_gva(opt, level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_fused_packed_on_chunk_boundaries(level):
+    """Packed sequences that all start on a chunk boundary (128 + 0 + 64 + 256 + 67 tokens, the last
+    chunk partial at the tensor's end): with the lengths on the host the walk reads v and dO in
+    place and stores dv there (bwd_dh_plan.h's chunks_own_their_rows). Every gradient against the
+    oracle, and the same bits as the call without host lengths, which copies those rows exactly
+    (reverse CP off in both: the plan would cut them differently)."""
+    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[128, 0, 64, 256, 67], device=DEV, l2norm=True)
+    do, dht = inputs_of(c)
+
+    def run(host):
+        kw = c.lowlevel_kwargs()
+        if not host:
+            kw["cu_seqlens_host"] = None
+        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, context_parallel=False, **kw,
+                                          **poisoned_grads(c))
+
+    direct, copied = run(True), run(False)
+    check_grads(c, direct, do, dht, "packed on chunk boundaries", level)
+    for name in GRADS:
+        x, y = getattr(direct, name), getattr(copied, name)
+        assert (x is None and y is None) or torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("B,T,Hq,Hv", [(2, 300, 2, 4), (1, 1024, 4, 4), (3, 64, 1, 2)])
 def test_fused_dense(B, T, Hq, Hv, level):
     c = make_case(B=B, T=T, Hq=Hq, Hv=Hv, K=128, V=128, device=DEV, l2norm=True)
