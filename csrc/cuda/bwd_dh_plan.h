@@ -75,19 +75,6 @@ inline int64_t longest_chunks(const Problem& p) {
   return (longest + kDhChunk - 1) / kDhChunk;
 }
 
-// Whether every chunk's 64 rows of v, dO and dv belong to its own sequence in the caller's tensors,
-// so that the fused walk reads v and dO in place through TMA and stores dv there: dense calls (a
-// partial chunk only at a row's end, which TMA reads as zeros and does not write past), and packed
-// ones whose sequences all start on a chunk boundary and whose last ends on one or at the tensor's
-// end. Packed calls need their lengths on the host for it; without them the rows are copied.
-inline bool chunks_own_their_rows(const Problem& p) {
-  if (!p.varlen) return true;
-  if (!p.have_host_seqlens || p.cu.size() != static_cast<size_t>(p.N) + 1) return false;
-  for (int64_t n = 0; n < p.N; ++n)
-    if (p.cu[n] % kDhChunk != 0) return false;
-  return p.cu[p.N] % kDhChunk == 0 || p.cu[p.N] == p.T;
-}
-
 inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
   DhPlan d;
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0) return d;

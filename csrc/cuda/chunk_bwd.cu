@@ -175,6 +175,9 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.k16 = reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kK16]);
   B.v16 = F.vo_direct ? nullptr : reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kV16]);
   B.do16 = F.vo_direct ? nullptr : reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kDo16]);
+  B.v_tail = F.tails ? reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kVTail]) : nullptr;
+  B.do_tail = F.tails ? reinterpret_cast<__nv_bfloat16*>(f + F.off[F.kDoTail]) : nullptr;
+  B.dv_tail = F.tails && F.dv_direct ? reinterpret_cast<uint8_t*>(f + F.off[F.kDvTail]) : nullptr;
   B.gates = reinterpret_cast<float*>(f + F.off[F.kGates]);
   B.ar = reinterpret_cast<uint8_t*>(f + F.off[F.kAr]);
   B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);

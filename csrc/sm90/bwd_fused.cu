@@ -5,8 +5,8 @@
 //   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
 //               bf16 in slot layout (zero past the length), K K^T once, then per value head c
 //               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
-//               gates; v, dO too unless the kernel reads the user's in place (dense calls and
-//               packed ones on chunk boundaries: FusedLayout::vo_direct)
+//               gates; v, dO too unless the kernel reads the user's in place (FusedLayout::vo_direct;
+//               then a packed sequence's partial last chunk alone, its tail)
 //   3. fused    per (sequence, value head): the reverse walk -> dk, dv, dq tiles, dg, dbeta, dh0;
 //               under reverse CP (bwd_dh_plan.h's segments, when the chains are too few for the
 //               SMs): 3a. the last segment walked from dht (its start carry the seed of the one
@@ -65,10 +65,13 @@ bool fused_backward_applies(const Problem& p) {
 FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t S = static_cast<size_t>(num_chunk_slots(p)), C = kC, D = kD;
   const size_t Hq = static_cast<size_t>(p.Hq), Hv = static_cast<size_t>(p.Hv);
-  const bool direct = chunks_own_their_rows(p) && sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
+  const bool direct = sm90::tile_map_direct(a.in.v) && sm90::tile_map_direct(a.d_o);
   const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
+  const bool tails = direct && p.varlen;
   const int32_t out_count = dv_direct ? 2 : 3;
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
+  // A tail a sequence (N of them <= the chunk slots; the shapes alone size it, no lengths needed).
+  const size_t N = static_cast<size_t>(p.N), tail = tails ? N * C * Hv * D * 2 : 0;
   // The plan from the lengths where the call has them; the buffers for the most segments any
   // lengths take, so that a workspace sized by the query (no lengths) always suffices.
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
@@ -77,6 +80,8 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const size_t sizes[FusedLayout::kCount] = {
       S * C * Hq * D * 2, S * C * Hq * D * 2,  // q16, k16
       vo, vo,                                  // v16, do16
+      tail, tail,                              // v_tail, do_tail
+      tails && dv_direct ? N * Hv * fk::kTile : 0,  // dv_tail
       S * Hv * 2 * C * 4,                      // gates
       S * Hv * fk::kSmall,                     // ar
       S * Hv * out_count * fk::kTile,          // out
@@ -86,6 +91,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   };
   FusedLayout L{};
   L.vo_direct = direct;
+  L.tails = tails;
   L.dv_direct = dv_direct;
   L.out_count = out_count;
   L.segments = plan.segments;
@@ -109,6 +115,12 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.vo_direct = F.v16 == nullptr;
   K.tv = K.vo_direct ? sm90::make_tile_map(a.in.v) : slot_map(F.v16, std::max<int64_t>(rows, 1), P.Hv);
   K.tdo = K.vo_direct ? sm90::make_tile_map(a.d_o) : slot_map(F.do16, std::max<int64_t>(rows, 1), P.Hv);
+  K.tails = F.v_tail != nullptr;
+  if (K.tails) {  // rows n 64 + i of sequence n's partial last chunk
+    K.tv_tail = slot_map(F.v_tail, std::max<int64_t>(P.N * kC, 1), P.Hv);
+    K.tdo_tail = slot_map(F.do_tail, std::max<int64_t>(P.N * kC, 1), P.Hv);
+    K.dv_tail = F.dv_tail;
+  }
   K.ts0 = slot_map(P.h, (slots + 1) * P.Hv * kD, 1);  // bf16 h (states_in_bf16)
   K.dv_direct = F.dv_direct;
   K.out_count = F.out_count;

@@ -19,14 +19,17 @@ namespace flashgdn::cuda::bwd {
 bool fused_backward_applies(const Problem& p);
 
 // Its per-chunk buffers, every chunk slot at once (the walk covers whole sequences), in order.
-// vo_direct: the kernel reads v and dO from the user's tensors (where every chunk's rows are its
-// own, bwd_dh_plan.h's chunks_own_their_rows, and TMA can address v and dO: a partial chunk only
-// at a row's or the tensor's end, where the map reads zeros); no copies then.
+// vo_direct: the kernel reads v and dO from the user's tensors (where TMA can address them): no
+// copies then, but for a packed call's tails (kVTail, kDoTail: a sequence's partial last chunk,
+// whose rows past its length are the next sequence's, as 64 rows zero past the length; a dense
+// call's partial chunk is at its row's end, where the map reads zeros). dv_direct: dv stored in
+// place, a packed sequence's tail through kDvTail (the reduce step copies its rows out).
 struct FusedLayout {
-  enum { kQ16, kK16, kV16, kDo16, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
+  enum { kQ16, kK16, kV16, kDo16, kVTail, kDoTail, kDvTail, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
+  bool tails;         // vo_direct on a packed call: the sequences' tails through kVTail, kDoTail (kDvTail)
   bool dv_direct;     // vo_direct and TMA can address dv: the kernel writes dv in place
   int32_t out_count;  // kOut's tiles a (chunk slot, value head): dk, dq (2) with dv_direct, else dk, dv, dq
   // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
@@ -38,6 +41,9 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a);
 struct FusedBuffers {
   __nv_bfloat16 *q16, *k16, *v16, *do16;  // [slot 64 + i][heads][128], zero past the length
                                           // (v16, do16 null: vo_direct)
+  __nv_bfloat16 *v_tail, *do_tail;        // [n 64 + i][Hv][128]: sequence n's partial last chunk,
+                                          // zero past the length (FusedLayout::tails; else null)
+  uint8_t* dv_tail;                       // [n Hv + h]: its dv tile (tails and dv_direct; else null)
   float* gates;                           // [slot Hv + h][2][64]: c, beta
   uint8_t* ar;                            // [slot Hv + h]: Ar, a 64 x 64 bf16 tile
   uint8_t* out;                           // [slot Hv + h][out_count]: dk, dv, dq tiles (bf16; dv not

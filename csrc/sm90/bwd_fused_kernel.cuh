@@ -139,7 +139,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   // takes them after its register allocation (chain()): values live across the roles' split were
   // spilled.
   int N, u0, first, row_b, row_t0;
-  bool from_dht;
+  bool from_dht, tail;
   const auto chain = [&]() {
     const Walk w = walk_of(P, n_seq, h, seg);
     N = w.chunks;
@@ -148,6 +148,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     row_b = w.b;
     row_t0 = w.t0;
     from_dht = w.from_dht;
+    tail = w.tail;
   };
   if (tid < kStages) S.bar[tid].init(stage_arrivals(tid));
   if (tid == kStages) S.full0.init(kFull0Arrivals);
@@ -177,14 +178,22 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
       const TileMapOrder& o = m.order;
       tma_load_4d(dst, &m.map, bar, c0, o.at(1, head, row, b), o.at(2, head, row, b), o.at(3, head, row, b));
     };
-    // Chunk N - 1 - i's rows: the slot's in slot layout; with `direct`, the user's [B, T, H, D]
-    // tensor's (the sequence's batch row, tokens from its first + 64 (first + N - 1 - i): rows
-    // past the tensor's end read as zeros; FusedLayout::vo_direct).
-    auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar, bool direct = false) {
-      const int row = direct ? row_t0 + (first + N - 1 - i) * 64 : (unit(N - 1 - i) - h) / P.Hv * 64;
-      const int b = direct ? row_b : 0;
+    // Chunk N - 1 - i's rows in slot layout (the slot's 64 rows).
+    auto tile = [&](bf16* dst, const TileMap& map, int head, int i, Mbarrier* bar) {
+      const int row = (unit(N - 1 - i) - h) / P.Hv * 64;
 #pragma unroll
-      for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row, b);
+      for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, map, bar, blk * 64, head, row);
+    };
+    // Its v or dO rows: with vo_direct the user's [B, T, H, D] tensor's (the sequence's batch row,
+    // tokens from its first + 64 (first + N - 1 - i); rows past the tensor's end read as zeros),
+    // a packed sequence's partial last chunk (`tail`, the walk's first) from the tail's rows
+    // n 64 (its rows past the length are the next sequence's there); else the slot's.
+    auto vo_tile = [&](bf16* dst, const TileMap& map, const TileMap& tail_map, int i, Mbarrier* bar) {
+      if (!P.vo_direct) return tile(dst, map, h, i, bar);
+      const bool t = tail && i == 0;
+      const int row = t ? static_cast<int>(n_seq) * 64 : row_t0 + (first + N - 1 - i) * 64;
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) box(dst + blk * 64 * 64, t ? tail_map : map, bar, blk * 64, h, row, t ? 0 : row_b);
     };
     if (warp == 0 && lane == 0) {
       auto load0 = [&](int i) {
@@ -192,7 +201,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         tile(S.q, P.tq, hq, i, &S.full0);
         tile(S.k, P.tk, hq, i, &S.full0);
         if (transfer) return;  // a transfer walk reads no v, S0
-        tile(S.v, P.tv, h, i, &S.full0, P.vo_direct);
+        vo_tile(S.v, P.tv, P.tv_tail, i, &S.full0);
         // S0 (128 rows): four boxes of 64 rows, column block blk's rows at blk 128 128 bytes.
         const int row = unit(N - 1 - i) * 128;
 #pragma unroll
@@ -203,7 +212,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
       };
       auto load1 = [&](int i) {
         S.full1.arrive_expect_tx(zero_do ? kSmall : kLoad1);
-        if (!zero_do) tile(S.dO, P.tdo, h, i, &S.full1, P.vo_direct);
+        if (!zero_do) vo_tile(S.dO, P.tdo, P.tdo_tail, i, &S.full1);
         bulk_load(S.ar, P.ar + size_t(unit(N - 1 - i)) * kSmall, kSmall, &S.full1);
       };
       if (N > 0) {
@@ -232,7 +241,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           S.bar[out_written(j)].wait(i & 1);
           // j = 0: the dK of the chunk after (none on the walk's first chunk); 1: dv; 2: dq.
           if (lane == 0 && (j > 0 || i > 0) && !transfer) {
-            if (j == 1 && P.dv_direct) {  // dv into the user's tensor: the sequence's rows of chunk first + n
+            if (j == 1 && P.dv_direct && tail && i == 0) {  // a packed sequence's tail: its dv tile
+              bulk_store(P.dv_tail + (size_t(n_seq) * P.Hv + h) * kTile, S.out, kTile);
+            } else if (j == 1 && P.dv_direct) {  // dv into the user's tensor: the sequence's rows of chunk first + n
               const TileMapOrder& o = P.tdv.order;
               const int row = row_t0 + (first + n) * 64, b = row_b;
 #pragma unroll

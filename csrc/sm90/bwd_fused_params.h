@@ -33,6 +33,12 @@ struct Params {
   const void* state_indices;
   int32_t has_dht, want_dh0, state_v_first, has_state_indices, idx_dtype;
   int32_t vo_direct;  // tv, tdo map the user's v, dO (FusedLayout::vo_direct)
+  // tails (packed calls with vo_direct): a sequence's partial last chunk read from tv_tail,
+  // tdo_tail ([N 64 rows, Hv, 128], zero past the length) and its dv stored to dv_tail
+  // ([n Hv + h] tiles) where dv_direct: the rows past its length are the next sequence's.
+  TileMap tv_tail, tdo_tail;
+  uint8_t* dv_tail;
+  int32_t tails;
   // dv_direct (vo_direct calls whose dv TMA can address): dv tiles stored through tdv into the
   // user's dv (rows past T not written), out_tiles then holds dk, dq only: out_count 2, else 3.
   TileMap tdv;

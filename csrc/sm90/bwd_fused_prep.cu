@@ -19,7 +19,9 @@ constexpr int kD = 128;
 // accumulation), then for each value head of the group: c and beta (scan_chunk_gates), A =
 // strict_lower(diag(beta) K K^T) and its inverse by the forward's blocked inverse
 // (fwd_inverse.cuh, TF32 split products), Ar to a swizzled tile, the certificate's bound; and the
-// rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length.
+// rows of q, k (once) and v, dO (each value head) in slot layout, zero past the length (v, dO: of
+// every chunk where the kernel cannot read them in place, else of a packed sequence's partial last
+// chunk alone, to its tail).
 struct PrepSmem {
   alignas(1024) uint8_t kr[2 * tl::kTile64];  // K [64 tokens][128]: two 64-column tiles
   float af[kC][sm90::kLdF];                    // A (its upper triangle: the inverse's scratch)
@@ -88,13 +90,18 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
   for (int64_t g = 0; g < P.group; ++g) {
     const int64_t h = hq * P.group + g, u = gc * P.Hv + h;
     const TokenGate tg = tid < kC ? load_token_gate(P, ci, h, tid) : TokenGate{};
-    // v, dO rows of this value head (their loads in flight under the scan and the inverse).
-    for (int x = tid; F.v16 != nullptr && x < kGroups; x += tl::kWarpgroup) {
+    // v, dO rows of this value head (their loads in flight under the scan and the inverse): the
+    // slot's, or sequence n's tail rows n 64 + i.
+    const bool tail = F.v_tail != nullptr && len < kC;
+    bf16* const vd = F.v16 != nullptr ? F.v16 : tail ? F.v_tail : nullptr;
+    bf16* const dd = F.v16 != nullptr ? F.do16 : F.do_tail;
+    const int64_t row0 = (F.v16 != nullptr ? gc : ci.n) * kC;
+    for (int x = tid; vd != nullptr && x < kGroups; x += tl::kWarpgroup) {
       const int row = x / (kD / 8), c8 = x % (kD / 8);
-      const int64_t t = ci.t0 + row, dst = ((gc * kC + row) * P.Hv + h) * kD;
-      reinterpret_cast<uint4*>(F.v16 + dst)[c8] =
+      const int64_t t = ci.t0 + row, dst = ((row0 + row) * P.Hv + h) * kD;
+      reinterpret_cast<uint4*>(vd + dst)[c8] =
           row8(static_cast<const bf16*>(P.v.data) + tok_off(P.v, ci.b, t, h), row, len, c8);
-      reinterpret_cast<uint4*>(F.do16 + dst)[c8] =
+      reinterpret_cast<uint4*>(dd + dst)[c8] =
           row8(static_cast<const bf16*>(P.d_o.data) + tok_off(P.d_o, ci.b, t, h), row, len, c8);
     }
     scan_chunk_gates(tg, S.c, S.beta);  // (c held and beta zero past the length)

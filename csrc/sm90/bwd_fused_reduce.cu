@@ -1,5 +1,6 @@
 // The fused backward's step 4 (bwd_fused.cu): per (chunk slot, q/k head), dq and dk summed over
-// the group's value heads, the l2norm's backward, dv (unless stored in place) and dbeta out.
+// the group's value heads, the l2norm's backward, dv (unless stored in place: then a packed
+// sequence's tail alone) and dbeta out.
 #include "sm90/bwd_fused.h"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma.cuh"
@@ -60,6 +61,9 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
       if (!F.dv_direct)
         store4(static_cast<bf16*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0 + i, h) + 4 * lane,
                tile4(F.out + (u * 3 + 1) * fk::kTile, i, lane));
+      else if (F.dv_tail != nullptr && ci.len < kC)  // a packed sequence's tail (FusedLayout::tails)
+        store4(static_cast<bf16*>(P.dv.data) + tok_off(P.dv, ci.b, ci.t0 + i, h) + 4 * lane,
+               tile4(F.dv_tail + (ci.n * P.Hv + h) * fk::kTile, i, lane));
       if (lane == 0)
         store_from_float(P.dbeta.data, P.beta_dtype, ci.b * P.dbeta.s0 + (ci.t0 + i) * P.dbeta.s1 + h * P.dbeta.s2,
                          F.dbeta[u * kC + i]);

@@ -16,10 +16,12 @@ namespace flashgdn::sm90::fused_bwd {
 // sequence's; unit rows (slot Hv + h) as 32-bit integers from u0 (the launcher checks the range);
 // from_dht: it ends the sequence, so its carry starts from d_final_state. b, t0: the sequence's
 // batch row and first token in the caller's [B, T, H, D] tensors (dense n, 0; packed 0, cu[n]).
+// tail: the walk's first chunk (the sequence's last) is a packed sequence's partial one, read from
+// and stored to the tails (Params::tails).
 struct Walk {
   int chunks, first, total, u0;
   int b, t0;
-  bool from_dht;
+  bool from_dht, tail;
 };
 __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int seg) {
   const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
@@ -31,6 +33,7 @@ __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int s
   w.u0 = static_cast<int>(cuda::chunk_slot(P.seq, n, w.first, si.t0)) * P.Hv + h;
   w.b = static_cast<int>(si.b);
   w.t0 = static_cast<int>(si.t0);
+  w.tail = P.tails && w.from_dht && w.chunks > 0 && (si.len & 63) != 0;
   return w;
 }
 

@@ -156,26 +156,6 @@ TEST(BwdDhPlan, FusedWalksFillOneWave) {
 
 // Packed sequences are cut by the longest one where the call has the lengths (a workspace query
 // has not: the packed total bounds it), and the workspace's capacity covers every plan of the shapes.
-TEST(BwdDhPlan, ChunksOwnTheirRowsOnlyOnChunkBoundaries) {
-  using flashgdn::cuda::bwd::chunks_own_their_rows;
-  auto packed = [](std::vector<int64_t> lens, bool have, int64_t pad = 0) {
-    Problem p = shape(static_cast<int64_t>(lens.size()), 0, 4);
-    p.varlen = true;
-    p.B = 1;
-    p.cu = {0};
-    for (int64_t n : lens) p.cu.push_back(p.cu.back() + n);
-    p.T = p.cu.back() + pad;
-    p.have_host_seqlens = have;
-    return p;
-  };
-  EXPECT_TRUE(chunks_own_their_rows(shape(1, 100, 4)));               // dense: rows are their own
-  EXPECT_TRUE(chunks_own_their_rows(packed({128, 0, 64, 256, 67}, true)));  // the last partial, at T's end
-  EXPECT_TRUE(chunks_own_their_rows(packed({64, 128}, true, 64)));      // ends on a boundary before T
-  EXPECT_FALSE(chunks_own_their_rows(packed({128, 0, 64, 256, 67}, false)));  // no host lengths
-  EXPECT_FALSE(chunks_own_their_rows(packed({100, 28}, true)));         // the second starts mid-chunk
-  EXPECT_FALSE(chunks_own_their_rows(packed({64, 67}, true, 5)));       // the last's partial chunk is not at T's end
-}
-
 TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
   using flashgdn::cuda::bwd::dh_plan_segments;
   using flashgdn::cuda::bwd::fused_segments_capacity;

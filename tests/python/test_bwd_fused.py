@@ -87,27 +87,50 @@ def test_fused_options_varlen_gva(opt, level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_fused_packed_on_chunk_boundaries(level):
-    """Packed sequences that all start on a chunk boundary (128 + 0 + 64 + 256 + 67 tokens, the last
-    chunk partial at the tensor's end): with the lengths on the host the walk reads v and dO in
-    place and stores dv there (bwd_dh_plan.h's chunks_own_their_rows). Every gradient against the
-    oracle, and the same bits as the call without host lengths, which copies those rows exactly
-    (reverse CP off in both: the plan would cut them differently)."""
-    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[128, 0, 64, 256, 67], device=DEV, l2norm=True)
+def test_fused_packed_tails(level):
+    """Packed sequences of any lengths (64 + 100 + 0 + 1 + 300 + 67 tokens: partial last chunks in the
+    tensor's middle, one of one token, an empty one): the walk reads v and dO in place, but a
+    sequence's partial last chunk (its tail) from 64 rows zero past its length (bwd_fused_prep.cu),
+    since the rows past it are the next sequence's, and stores that chunk's dv through the tail's
+    tile (the reduce step copies its rows out; FusedLayout::tails). Every gradient against the
+    oracle; the same bits as the call whose dO TMA cannot map (stride 0 over the heads: v and dO
+    copied to slot layout, dv through the workspace; reverse CP off in both); and NaN in the rows
+    right after each tail reaches no gradient of the sequence before (docs/api.md, "Non-finite
+    values"): its dq, dk, dv, dg, dbeta rows and dh0 keep their bits."""
+    lengths = [100, 64, 1, 128, 300, 67, 0, 130]
+    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=lengths, device=DEV, l2norm=True)
     do, dht = inputs_of(c)
+    do = do[:, :, :1].expand(do.shape)  # one head's dO for all: a stride of 0
 
-    def run(host):
-        kw = c.lowlevel_kwargs()
-        if not host:
-            kw["cu_seqlens_host"] = None
-        return chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, precision=level, context_parallel=False, **kw,
-                                          **poisoned_grads(c))
+    def run(v, d_o):
+        return chunk_gated_delta_rule_bwd(c.q, c.k, v, c.g, c.beta, d_o, dht, precision=level, context_parallel=False,
+                                          **c.lowlevel_kwargs(), **poisoned_grads(c))
 
-    direct, copied = run(True), run(False)
-    check_grads(c, direct, do, dht, "packed on chunk boundaries", level)
+    direct, copied = run(c.v, do.contiguous()), run(c.v, do)
+    check_grads(c, direct, do, dht, "packed tails", level)
     for name in GRADS:
         x, y = getattr(direct, name), getattr(copied, name)
         assert (x is None and y is None) or torch.equal(x, y), name
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    tails = [n for n in range(len(lengths)) if lengths[n] % 64 and cu[n + 1] < cu[-1]]  # rows of a later one follow
+    v_nan, do_nan = c.v.clone(), do.contiguous().clone()
+    hit = set()
+    for n in tails:
+        v_nan[:, cu[n + 1]:cu[n + 1] + 3] = float("nan")
+        do_nan[:, cu[n + 1]:cu[n + 1] + 3] = float("nan")
+        hit.update(range(cu[n + 1], cu[n + 1] + 3))
+    poisoned = run(v_nan, do_nan)
+    checked = [n for n in tails if not hit & set(range(cu[n], cu[n + 1]))]
+    assert len(checked) == 3, checked  # the 100-, 1- and 300-token sequences
+    for n in checked:
+        rows = slice(cu[n], cu[n + 1])
+        for name in ("dq", "dk", "dv", "dg", "dbeta"):
+            x, y = getattr(direct, name)[:, rows], getattr(poisoned, name)[:, rows]
+            assert torch.equal(x, y), f"{name} of sequence {n}: reached by NaN in the rows after its tail"
+        if direct.dh0 is not None:
+            assert torch.equal(direct.dh0[n], poisoned.dh0[n]), f"dh0 of sequence {n}"
 
 
 @pytest.mark.parametrize("level", LEVELS)
