@@ -6,21 +6,12 @@
 // end of a sequence's last chunk lands on a surplus slot (varlen), on the next sequence's first
 // slot (dense) or on the extra row past the last slot: start_states_kernel, launched after the
 // forward on the same stream, writes every sequence's first slot with its initial state.
-#include <cstdlib>
-
 #include "cuda/chunk_bwd_internal.cuh"
 #include "sm90/fwd_launch.h"
 
 namespace flashgdn::cuda::bwd {
 
 namespace {
-
-// EXPERIMENT (exp/default-fast-states; out before landing): FLASHGDN_EXP_HIGH_STATES=1 restores
-// main's `high` states at `default` for an A/B in one build (scripts/exp_default_fast_states.sh).
-bool exp_high_states() {
-  const char* e = std::getenv("FLASHGDN_EXP_HIGH_STATES");
-  return e != nullptr && std::atoi(e) != 0;
-}
 
 __global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
   const int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -67,9 +58,9 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   // kernel's states (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg
   // 3.8e-3 -> 4.6e-3: bench/NOTES.md, step 14), and so does the fused backward (bf16 h) at both of
   // its levels: its 16-bit staging, not the states, sets its errors' scale, and with `fast` states
-  // they stay below the best peer's (results/h200-2026-11-29/fused-default-precision.md: dq 0.90x,
-  // dg 0.94x FlashQLA's with every value staged as `fast` stages it).
-  const bool fast = P.precision_fast != 0 || (h16 && !exp_high_states());
+  // they stay below the best peer's (results/h200-2026-11-29/default-fast-states.md: seed 7,
+  // `default`, dq 0.86x, dg 0.98x FlashQLA's; forward + backward 16/64 1x32768 -11%).
+  const bool fast = P.precision_fast != 0 || h16;
   const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
   const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));
@@ -102,9 +93,7 @@ void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* works
   char* fwd_ws = static_cast<char*>(workspace) + align256(static_cast<size_t>(p.N) * sizeof(int64_t));
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
   FGDN_CHECK_LAUNCH("forward first_rows_kernel");
-  const bool high = p.precision != FGDN_PRECISION_FAST && exp_high_states();
-  sm90::forward_with_states(p, a, high ? sm90::Precision::kHigh : sm90::Precision::kFast, a.saved_states.data,
-                            first_row, fwd_ws, s);
+  sm90::forward_with_states(p, a, sm90::Precision::kFast, a.saved_states.data, first_row, fwd_ws, s);
   start_states_kernel<__nv_bfloat16><<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("forward start_states_kernel");
 }
