@@ -53,12 +53,14 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   if (P.N == 0) return;
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
   FGDN_CHECK_LAUNCH("bwd first_rows_kernel");
-  // `high` states (within ~5e-6 of the float64 ones) keep every gradient at its output's rounding
-  // floor at the `default` and `high` levels; the `fast` level takes the `fast` kernel's states
-  // (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg 3.8e-3 ->
-  // 4.6e-3: bench/NOTES.md, step 14; the fused backward likewise, results/h200-2026-11-29/
-  // fused-default-precision.md).
-  const bool fast = P.precision_fast != 0;
+  // `high` states (within ~5e-6 of the float64 ones) keep the staged backward's gradients at
+  // their output's rounding floor at `default` and `high`; the `fast` level takes the `fast`
+  // kernel's states (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg
+  // 3.8e-3 -> 4.6e-3: bench/NOTES.md, step 14), and so does the fused backward (bf16 h) at both of
+  // its levels: its 16-bit staging, not the states, sets its errors' scale, and with `fast` states
+  // they stay below the best peer's (results/h200-2026-11-29/default-fast-states.md: seed 7,
+  // `default`, dq 0.86x, dg 0.98x FlashQLA's; forward + backward 16/64 1x32768 -11%).
+  const bool fast = P.precision_fast != 0 || h16;
   const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
   const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));
@@ -72,8 +74,8 @@ size_t saving_forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) 
 }
 
 // The forward that also writes the backward's chunk-start states into a.saved_states: the rows
-// as launch_bwd_states writes them, by the level the backward's states pass would take (`fast`
-// at `fast`, `high` otherwise: o then comes from the `high` kernel too), then every sequence's
+// as launch_bwd_states writes them, by the kernel the fused backward's states pass takes (`fast`
+// at both of its levels: o is then the forward's own at `default` too), then every sequence's
 // first slot from its initial state. No state_indices (validation): a pool written back by the
 // forward would be read after it.
 void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* workspace, cudaStream_t s) {
@@ -91,8 +93,7 @@ void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* works
   char* fwd_ws = static_cast<char*>(workspace) + align256(static_cast<size_t>(p.N) * sizeof(int64_t));
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
   FGDN_CHECK_LAUNCH("forward first_rows_kernel");
-  const sm90::Precision level = p.precision == FGDN_PRECISION_FAST ? sm90::Precision::kFast : sm90::Precision::kHigh;
-  sm90::forward_with_states(p, a, level, a.saved_states.data, first_row, fwd_ws, s);
+  sm90::forward_with_states(p, a, sm90::Precision::kFast, a.saved_states.data, first_row, fwd_ws, s);
   start_states_kernel<__nv_bfloat16><<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
   FGDN_CHECK_LAUNCH("forward start_states_kernel");
 }

@@ -161,8 +161,7 @@ typedef struct fgdn_fwd_args {
   /* Optional (training): the chunk-start states the CUDA backward of the same call would
      otherwise recompute, [R, Hv, K, V] bf16, row-major, R = fgdn_saved_states_rows(); allowed
      only where R > 0, not with checkpoints. Pass the same tensor as fgdn_bwd_args.saved_states.
-     At the default level the forward then takes the `high` kernel (the states the backward's
-     `default` needs; o more exact, the forward slower). */
+     They come from the forward's `fast` kernel at both levels that allow them (o too). */
   fgdn_tensor saved_states;
 } fgdn_fwd_args;
 

@@ -307,7 +307,7 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
 def test_saved_states_same_bits(layout, level):
     """The forward writes the chunk-start states (saved_states) and the backward reads them instead
     of its states pass: every gradient the same bits as the backward that recomputes them (both
-    take the level's states kernel: `fast` at `fast`, `high` at `default`), and o within the
+    take the forward's `fast` kernel at both levels), and o within the
     oracle's bounds. Overwriting the saved states changes the gradients: the backward reads them."""
     from flashgdn import _core
     from gdn_testutil import oracle_forward
