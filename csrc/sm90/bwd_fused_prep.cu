@@ -1,6 +1,8 @@
 // The fused backward's step 2 (bwd_fused.cu): per (chunk slot, q/k head), q and k normalised and
 // rounded to bf16, K K^T, and per value head c, beta, the gate-free inverse Ar and the reverse CP
 // certificate's bound.
+#include <cstdlib>
+
 #include "sm90/bwd_fused.h"
 #include "sm90/bwd_tiles.cuh"
 #include "sm90/fwd_inverse.cuh"
@@ -47,34 +49,67 @@ __device__ __forceinline__ uint4 scale8(uint4 x, float s) {
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-__global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P, FusedBuffers F) {
+// Four CTAs an SM (128 registers a thread at most): at three, the inverses' latency chains
+// overlapped less.
+__global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams P, FusedBuffers F) {
   const int64_t gc = blockIdx.x, hq = blockIdx.y;
   ChunkInfo ci;
   if (!locate_chunk(P.seq, gc, ci)) return;  // a surplus slot: the fused kernel reads none
   auto& S = dynamic_smem_1024<PrepSmem>();
-  const int tid = threadIdx.x, len = ci.len;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, len = ci.len;
   const tl::AccCoord ac(tid);
   constexpr int kGroups = kC * kD / 8;  // 8-value groups of a 64 x 128 tile
   const bf16* q = static_cast<const bf16*>(P.q.data);
   const bf16* k = static_cast<const bf16*>(P.k.data);
   auto q_row = [&](int i) { return q + tok_off(P.q, ci.b, ci.t0 + i, hq); };
   auto k_row = [&](int i) { return k + tok_off(P.k, ci.b, ci.t0 + i, hq); };
+  // The first value head's gates, in flight under the keys' loads.
+  TokenGate tg = tid < kC ? load_token_gate(P, ci, hq * P.group, tid) : TokenGate{};
 
-  // Each row's scale, a warp 16 rows.
-  for (int i = tid >> 5; i < kC; i += tl::kWarpgroup / 32) {
-    float sq = 1.f, sk = 1.f;
-    if (P.l2norm && i < len) sq = warp_row_rnorm<kD>(q_row(i), tid & 31), sk = warp_row_rnorm<kD>(k_row(i), tid & 31);
-    if ((tid & 31) == 0) S.sq[i] = sq, S.sk[i] = sk;
+  // Each row's scale, a warp the rows warp + 4 j, summed in warp_row_rnorm's order (the forward's
+  // bits), eight rows' loads in flight at a time: a row at a time waited out each load's latency.
+  constexpr int kBatch = 8;
+  for (int j0 = 0; j0 < kC / 4; j0 += kBatch) {
+    float vq[kBatch][kD / 32], vk[kBatch][kD / 32];
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int i = warp + 4 * (j0 + r);
+      const bool live = P.l2norm && i < len;  // warp-uniform
+#pragma unroll
+      for (int u = 0; u < kD / 32; ++u) {
+        vq[r][u] = live ? to_float(q_row(i)[lane + 32 * u]) : 0.f;
+        vk[r][u] = live ? to_float(k_row(i)[lane + 32 * u]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int i = warp + 4 * (j0 + r);
+      const bool live = P.l2norm && i < len;
+      const float sq = live ? warp_l2norm_rnorm(vq[r]) : 1.f, sk = live ? warp_l2norm_rnorm(vk[r]) : 1.f;
+      if (lane == 0) S.sq[i] = sq, S.sk[i] = sk;
+    }
   }
   __syncthreads();
-  // K (zero past the length) to the tile and to k16; Q to q16.
-  for (int x = tid; x < kGroups; x += tl::kWarpgroup) {
-    const int row = x / (kD / 8), c8 = x % (kD / 8);
-    const int64_t qk = qk_row(P, gc, row, hq);
-    const uint4 kv = scale8(row8(k_row(row), row, len, c8), S.sk[row]);
-    tl::put8(S.kr, tl::kTile64, row, c8, kv);
-    reinterpret_cast<uint4*>(F.k16 + qk * kD)[c8] = kv;
-    reinterpret_cast<uint4*>(F.q16 + qk * kD)[c8] = scale8(row8(q_row(row), row, len, c8), S.sq[row]);
+  // K (zero past the length) to the tile and to k16; Q to q16, four groups' loads of each in
+  // flight before their stores.
+  constexpr int kPerThread = kGroups / tl::kWarpgroup, kInFlight = 4;
+  for (int it0 = 0; it0 < kPerThread; it0 += kInFlight) {
+    uint4 kx[kInFlight], qx[kInFlight];
+#pragma unroll
+    for (int r = 0; r < kInFlight; ++r) {
+      const int x = tid + (it0 + r) * tl::kWarpgroup, row = x / (kD / 8), c8 = x % (kD / 8);
+      kx[r] = row8(k_row(row), row, len, c8);
+      qx[r] = row8(q_row(row), row, len, c8);
+    }
+#pragma unroll
+    for (int r = 0; r < kInFlight; ++r) {
+      const int x = tid + (it0 + r) * tl::kWarpgroup, row = x / (kD / 8), c8 = x % (kD / 8);
+      const int64_t qk = qk_row(P, gc, row, hq);
+      const uint4 kv = scale8(kx[r], S.sk[row]);
+      tl::put8(S.kr, tl::kTile64, row, c8, kv);
+      reinterpret_cast<uint4*>(F.k16 + qk * kD)[c8] = kv;
+      reinterpret_cast<uint4*>(F.q16 + qk * kD)[c8] = scale8(qx[r], S.sq[row]);
+    }
   }
   sm90::fence_proxy_async();  // the tile, written by ordinary stores, is read by wgmma
   __syncthreads();
@@ -89,7 +124,8 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
   const auto sync = [] { __syncthreads(); };
   for (int64_t g = 0; g < P.group; ++g) {
     const int64_t h = hq * P.group + g, u = gc * P.Hv + h;
-    const TokenGate tg = tid < kC ? load_token_gate(P, ci, h, tid) : TokenGate{};
+    // The next value head's gates, in flight under this one's scan and inverse.
+    const TokenGate next = tid < kC && g + 1 < P.group ? load_token_gate(P, ci, h + 1, tid) : TokenGate{};
     // v, dO rows of this value head (their loads in flight under the scan and the inverse): the
     // slot's, or sequence n's tail rows n 64 + i.
     const bool tail = F.v_tail != nullptr && len < kC;
@@ -130,12 +166,17 @@ __global__ void __launch_bounds__(tl::kWarpgroup) fused_prep_kernel(BwdParams P,
       tl::put2<bf16>(tile, tl::kTile64, i, j, t.x, t.y);
     }
     sync();  // af, tf, c, beta free for the next value head
+    tg = next;
   }
 }
 
 }  // namespace
 
+void launch_fused_prep_before(const BwdParams& P, const FusedBuffers& F, cudaStream_t s);  // EXPERIMENT
+
 void launch_fused_prep(const BwdParams& P, const FusedBuffers& F, cudaStream_t s) {
+  if (const char* e = std::getenv("FLASHGDN_EXP_OLD_PREP"); e != nullptr && std::atoi(e) != 0)  // EXPERIMENT
+    return launch_fused_prep_before(P, F, s);
   constexpr size_t kPrepSmem = dynamic_smem_1024_bytes<PrepSmem>();
   set_dynamic_smem(fused_prep_kernel, kPrepSmem);
   fused_prep_kernel<<<dim3(P.num_chunks, P.Hq), tl::kWarpgroup, kPrepSmem, s>>>(P, F);
