@@ -173,7 +173,7 @@ __device__ __forceinline__ float warp_l2norm_rnorm(const float (&x)[N]) {
 }
 // 1 / ||x|| (warp_l2norm_rnorm) of a row of D 16-bit values by a warp, element lane + 32 u in
 // lane's u-th slot: the order qk_prep sums them in, so every caller gets its bits (the fused
-// backward's prep scales by it and its reduce differentiates through it).
+// backward's reduce differentiates through it; its prep sums its batched rows in the same order).
 template <int D, typename T>
 __device__ __forceinline__ float warp_row_rnorm(const T* x, int lane) {
   float v[D / 32];

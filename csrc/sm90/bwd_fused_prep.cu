@@ -1,8 +1,6 @@
 // The fused backward's step 2 (bwd_fused.cu): per (chunk slot, q/k head), q and k normalised and
 // rounded to bf16, K K^T, and per value head c, beta, the gate-free inverse Ar and the reverse CP
 // certificate's bound.
-#include <cstdlib>
-
 #include "sm90/bwd_fused.h"
 #include "sm90/bwd_tiles.cuh"
 #include "sm90/fwd_inverse.cuh"
@@ -49,8 +47,9 @@ __device__ __forceinline__ uint4 scale8(uint4 x, float s) {
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// Four CTAs an SM (128 registers a thread at most): at three, the inverses' latency chains
-// overlapped less.
+// Four CTAs an SM (128 registers a thread at most; 134 took three). The kernel waits on memory
+// latency, not bandwidth: its loads are batched (rows, groups, the next value head's gates) so
+// that one wait covers many (16/64 1x32768: 1.06 -> 0.78 ms, bench/NOTES.md).
 __global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams P, FusedBuffers F) {
   const int64_t gc = blockIdx.x, hq = blockIdx.y;
   ChunkInfo ci;
@@ -172,11 +171,7 @@ __global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams
 
 }  // namespace
 
-void launch_fused_prep_before(const BwdParams& P, const FusedBuffers& F, cudaStream_t s);  // EXPERIMENT
-
 void launch_fused_prep(const BwdParams& P, const FusedBuffers& F, cudaStream_t s) {
-  if (const char* e = std::getenv("FLASHGDN_EXP_OLD_PREP"); e != nullptr && std::atoi(e) != 0)  // EXPERIMENT
-    return launch_fused_prep_before(P, F, s);
   constexpr size_t kPrepSmem = dynamic_smem_1024_bytes<PrepSmem>();
   set_dynamic_smem(fused_prep_kernel, kPrepSmem);
   fused_prep_kernel<<<dim3(P.num_chunks, P.Hq), tl::kWarpgroup, kPrepSmem, s>>>(P, F);

@@ -1,8 +1,6 @@
 // The fused backward's step 4 (bwd_fused.cu): per (chunk slot, q/k head), dq and dk summed over
 // the group's value heads, the l2norm's backward, dv (unless stored in place: then a packed
 // sequence's tail alone) and dbeta out.
-#include <cstdlib>
-
 #include "sm90/bwd_fused.h"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma.cuh"
@@ -39,8 +37,6 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
   for (int i = warp; i < ci.len; i += kThreads / 32) {
     for (int which = 0; which < 2; ++which) {  // 0: dq (tile 2), 1: dk (tile 0)
       float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
-      // Four value heads' loads in flight at a time (the sum's order stays ascending).
-#pragma unroll 4
       for (int64_t g = 0; g < P.group; ++g) {
         const int64_t tile = (gc * P.Hv + hq * P.group + g) * F.out_count + (which == 0 ? F.out_count - 1 : 0);
         const float4 x = tile4(F.out + tile * fk::kTile, i, lane);
@@ -77,11 +73,7 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
 
 }  // namespace
 
-void launch_fused_reduce_before(const BwdParams& P, const FusedBuffers& F, cudaStream_t s);  // EXPERIMENT
-
 void launch_fused_reduce(const BwdParams& P, const FusedBuffers& F, cudaStream_t s) {
-  if (const char* e = std::getenv("FLASHGDN_EXP_OLD_PREP"); e != nullptr && std::atoi(e) != 0)  // EXPERIMENT
-    return launch_fused_reduce_before(P, F, s);
   fused_reduce_kernel<<<dim3(P.num_chunks, P.Hq), kThreads, 0, s>>>(P, F);
   FGDN_CHECK_LAUNCH("bwd fused reduce");
 }
