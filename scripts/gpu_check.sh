@@ -3,7 +3,7 @@
 # C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
 #
 #   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all);
-#                                         fuzz, sanitize-fuzz, fwd, bwd and ab run only when named
+#                                         fuzz, sanitize-fuzz, fwd, bwd, ab and ncu run only when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Into $OUT (or /tmp/flashgdn-gpu) go three files,
@@ -31,6 +31,17 @@ bundle() {
   tar czf "$OUT/logs.tar.gz" -C "$LOG" . 2>/dev/null
 }
 note() { SUMMARY+=("| $1 | $2 |"); echo "| $1 | $2 |"; bundle; }
+# This tree's Python package into /tmp/site (the carried wheel where there is one), once a call.
+install_pkg() {
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  [ -n "${PKG_INSTALLED:-}" ] && return
+  if ls dist/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
+  else
+    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
+  fi
+  PKG_INSTALLED=1
+}
 # The working tree's hash (ignored files left out), from a scratch index: the device's copy of the
 # tree sits on whatever commit its .git has, so HEAD alone does not name what was tested.
 tree_id() {
@@ -78,12 +89,7 @@ if has pytest; then
   fi
   echo "FLA: $fla_note" | tee -a "$LOG/gpu.txt"
   note "FLA for the routing tests" "$fla_note"
-  if ls dist/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
-  else
-    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
-  fi
-  PKG_INSTALLED=1  # this call's tree, for the fuzz steps below
+  install_pkg  # this call's tree, for the fuzz steps below too
   t0=$SECONDS
   FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider --durations=25 \
     >"$LOG/pytest.log" 2>&1
@@ -123,10 +129,7 @@ if has sanitize-fuzz; then
   # warp by an mbarrier instead (da2b253; docs/reliability.md). Not in the default steps.
   # SANITIZE_FUZZ_TOOLS picks the tools (default all four); SANITIZE_FUZZ_TIMEOUT (seconds) bounds
   # each tool's run, so that a slow one (initcheck) cannot take the rest of a device call.
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  [ -n "${PKG_INSTALLED:-}" ] ||
-    $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
-  PKG_INSTALLED=1
+  install_pkg
   SF_SEED=${FUZZ_SEED:-$RANDOM}
   for tool in ${SANITIZE_FUZZ_TOOLS:-memcheck racecheck synccheck initcheck}; do
     t0=$SECONDS
@@ -151,14 +154,7 @@ if has fuzz; then
   # tests/python/test_fuzz.py on CUDA tensors, FUZZ_CASES cases from FUZZ_SEED (printed: rerun a
   # campaign with it), failures shrunk and printed as JSON for tests/python/fuzz_regressions.json.
   # Not in the default steps: bash scripts/gpu_check.sh fuzz (after a build, or with one carried).
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  if [ -z "${PKG_INSTALLED:-}" ]; then
-    if ls dist/*.whl >/dev/null 2>&1; then
-      $PY -m pip install -q --upgrade --no-deps --no-index --target /tmp/site dist/*.whl
-    else
-      $PY -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . >"$LOG/pip.log" 2>&1
-    fi
-  fi
+  install_pkg
   FUZZ_SEED=${FUZZ_SEED:-$RANDOM}
   t0=$SECONDS
   # FUZZ_SECONDS bounds it so that it ends inside one device call (a call cut short returns no
@@ -308,6 +304,21 @@ if has ab; then
     done
     note "A/B" "base $base against this tree ($((SECONDS - t0)) s)"
   fi
+fi
+
+if has ncu; then
+  # Where the fused backward's warps wait: Nsight Compute's stall samples by instruction of one
+  # launch of NCU_KERNEL (default fused_bwd) in a forward + backward at NCU_HEADS (default 16/64,
+  # one 32768-token sequence), summarised by bench/ncu_stalls.py; the CSV in the logs. Not in the
+  # default steps.
+  install_pkg
+  t0=$SECONDS
+  PYTHONPATH=$PYTHONPATH:$PWD/bench ncu -k regex:"${NCU_KERNEL:-fused_bwd}" -s 1 -c 1 --section SourceCounters \
+    --section WarpStateStats --page source --csv --print-source sass \
+    $PY bench/ncu_stalls.py --drive "${NCU_HEADS:-16/64}" >"$LOG/ncu.csv" 2>"$LOG/ncu.err"
+  $PY bench/ncu_stalls.py "$LOG/ncu.csv" --top 12 >"$LOG/ncu-summary.txt" 2>&1
+  cat "$LOG/ncu-summary.txt"
+  note "ncu stalls, ${NCU_KERNEL:-fused_bwd}" "$(sed -n 2,4p "$LOG/ncu-summary.txt" | tr -s ' ' | tr '\n' ';') ($((SECONDS - t0)) s)"
 fi
 
 echo
