@@ -150,7 +150,8 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   // `default` stages T diag(beta), dV_new and R in fp16, each tile scaled (fk::fused_bwd's
   // kF16Island); `fast` stages them in bf16, as every other intermediate.
   const auto kernel = P.precision_fast ? fk::fused_bwd<false> : fk::fused_bwd<true>;
-  constexpr size_t kSmem = sizeof(fk::Smem) + 1024;
+  constexpr size_t kSmem = sizeof(fk::Smem) + 1024;  // + the alignment the kernel takes
+  static_assert(kSmem <= 227 * 1024, "fused_bwd's shared memory exceeds sm_90's 227 KB a block");
   set_dynamic_smem(kernel, kSmem);
   if (P.N > 0 && P.Hv > 0) {  // a CTA a chain or segment (sequences of no chunks too: dh0 = dht)
     const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);

@@ -337,6 +337,160 @@ def hazards(schedule: List[Op]) -> List[str]:
     return out
 
 
+# ---- the waits: a role waits for another only where it uses what that role made or used ---------
+# The kernel (bwd_fused_kernel.cuh, kStageWaits) gives each role a barrier per stage that it alone
+# arrives on when the stage ends. Before stage s a role X waits on role Y's barrier of stage t only
+# where the table orders an access of a shared buffer after one of Y's: a read after Y's last
+# write of it (RAW), a write after Y's reads or write of its current value (WAR, WAW). The loaded
+# buffers are ordered by the producer, `out` by the store warp's barriers (STORES). A role starts
+# chunk i only once every role has ended stage CHUNK_FENCE of chunk i - 1 (the full barriers: the
+# producer issues the loads of chunk i after it), so no wait on an earlier stage of the chunk before
+# is needed, and the roles stay less than a chunk apart: each barrier's phase parity is unambiguous.
+CHUNK_FENCE = max(RELOADED_AFTER.values())
+
+Wait = Tuple[int, int]  # (stage t, chunk offset: 0 this chunk, -1 the chunk before)
+
+
+def _shared_accesses(schedule: List[Op]) -> Dict[Tuple[int, str], Tuple[set, set]]:
+    """(stage, role) -> (buffers read, buffers written), of the buffers the roles share and order
+    among themselves (not a role's registers, not the loaded buffers, not `out`)."""
+    acc: Dict[Tuple[int, str], Tuple[set, set]] = {}
+    for op in schedule:
+        r, w = acc.setdefault((op.stage, op.role), (set(), set()))
+        keep = lambda b: _owner(b) is None and b not in RELOADED_AFTER and b != "out"  # noqa: E731
+        r.update(b for b in op.reads if keep(b))
+        w.update(b for b in op.writes if keep(b))
+    return acc
+
+
+def waits(schedule: Optional[List[Op]] = None) -> Dict[Tuple[str, int], Dict[str, Wait]]:
+    """(role X, stage s) -> {role Y: (t, offset)}: before stage s of chunk i, X waits until Y has
+    ended stage t of chunk i + offset. The latest such stage of each Y only (Y's earlier stages
+    precede it), nothing the chunk fence, X's own earlier waits of the chunk or a chain through a
+    third role already imply."""
+    schedule = SCHEDULE if schedule is None else schedule
+    acc = _shared_accesses(schedule)
+    none: Tuple[set, set] = (set(), set())
+
+    def before(s):  # the positions before stage s of chunk i, latest first
+        yield from ((t, 0) for t in range(s - 1, -1, -1))
+        yield from ((t, -1) for t in range(STAGES - 1, s - 1, -1))
+
+    out: Dict[Tuple[str, int], Dict[str, Wait]] = {}
+    for x in ROLES:
+        known: Dict[str, Wait] = {}  # what X's earlier waits of this chunk imply
+        for s in range(STAGES):
+            reads, writes = acc.get((s, x), none)
+            need: Dict[str, Wait] = {}
+
+            def add(y, t, off):
+                if y != x and (y not in need or (off, t) > need[y][::-1]):
+                    need[y] = (t, off)
+
+            for b in reads:  # RAW: the last write before
+                for t, off in before(s):
+                    ws = [y for y in ROLES if b in acc.get((t, y), none)[1]]
+                    if ws:
+                        for y in ws:
+                            add(y, t, off)
+                        break
+            for b in writes:  # WAR and WAW: back to the last write, its readers on the way
+                for t, off in before(s):
+                    rs = [y for y in ROLES if b in acc.get((t, y), none)[0]]
+                    ws = [y for y in ROLES if b in acc.get((t, y), none)[1]]
+                    for y in rs + ws:
+                        add(y, t, off)
+                    if ws:
+                        break
+            kept = {}
+            for y, (t, off) in need.items():
+                implied = (off == -1 and t <= CHUNK_FENCE) or (y in known and known[y][::-1] >= (off, t))
+                if not implied:
+                    kept[y] = (t, off)
+                    known[y] = (t, off)
+            out[(x, s)] = kept
+    # Left out, last to first: a wait another one implies through a third role (unordered() finds
+    # nothing without it).
+    for key in sorted(out, key=lambda k: (-k[1], ROLES.index(k[0]))):
+        for y in sorted(out[key], key=ROLES.index):
+            trial = {k: dict(v) for k, v in out.items()}
+            del trial[key][y]
+            if not unordered(schedule, trial):
+                out = trial
+    return out
+
+
+def unordered(schedule: Optional[List[Op]] = None, table: Optional[Dict[Tuple[str, int], Dict[str, Wait]]] = None,
+              chunks: int = 3) -> List[str]:
+    """What the waits leave to chance, over `chunks` chunks walked one after another: pairs of
+    accesses by two roles to one shared buffer, one of them a write, the later not ordered after the
+    earlier by program order, the table's waits and the chunk fence; and waits whose barrier could
+    still be two phases behind (its parity would then pass a phase too early). Empty: none."""
+    schedule = SCHEDULE if schedule is None else schedule
+    table = waits(schedule) if table is None else table
+    acc = _shared_accesses(schedule)
+    none: Tuple[set, set] = (set(), set())
+    # known[(x, i, s)][y]: the latest (chunk, stage) of role y ended before x starts stage s of
+    # chunk i (by program order, the waits and the fence; the walk's start orders everything before).
+    known: Dict[Tuple[str, int, int], Dict[str, Tuple[int, int]]] = {}
+    problems = []
+
+    def ended(y, i, t):  # what is ordered before the end of y's stage t of chunk i
+        k = dict(known[(y, i, t)])
+        k[y] = max(k.get(y, (-1, 0)), (i, t))
+        return k
+
+    def merge(into, k):
+        for y, v in k.items():
+            if v > into.get(y, (-1, 0)):
+                into[y] = v
+
+    for i in range(chunks):
+        for s in range(STAGES):
+            for x in ROLES:
+                k: Dict[str, Tuple[int, int]] = {}
+                if s > 0:
+                    merge(k, ended(x, i, s - 1))
+                elif i > 0:
+                    merge(k, ended(x, i - 1, STAGES - 1))
+                    for y in ROLES:
+                        merge(k, ended(y, i - 1, CHUNK_FENCE))
+                for y, (t, off) in table.get((x, s), {}).items():
+                    j = i + off
+                    if j < 0:
+                        continue  # the walk's first chunk: the rendezvous before it
+                    if j >= 1 and k.get(y, (-1, 0)) < (j - 1, t):
+                        problems.append(f"{x} stage {s} of chunk {i} waits on {y}'s stage {t} of chunk {j} "
+                                        f"while {y} may not have ended it in chunk {j - 1}")
+                    merge(k, ended(y, j, t))
+                known[(x, i, s)] = k
+    accesses = [(i, s, y, b, w) for i in range(chunks) for s in range(STAGES) for y in ROLES
+                for w, bufs in enumerate(acc.get((s, y), none)) for b in bufs]
+    for (i, s, x, b, w) in accesses:
+        for (j, t, y, c, v) in accesses:
+            if c != b or y == x or not (w or v) or (j, t) >= (i, s):
+                continue
+            if known[(x, i, s)].get(y, (-1, 0)) < (j, t):
+                problems.append(f"{x} {'writes' if w else 'reads'} {b} in stage {s} of chunk {i} unordered after "
+                                f"{y}'s {'write' if v else 'read'} in stage {t} of chunk {j}")
+    return problems
+
+
+def waits_table_cpp(table: Optional[Dict[Tuple[str, int], Dict[str, Wait]]] = None) -> str:
+    """The waits as kStageWaits' initializer (bwd_fused_kernel.cuh): [stage][role X][role Y], -1 no
+    wait, t the end of Y's stage t of this chunk, 16 + t of the chunk before; roles C, D, R."""
+    table = waits() if table is None else table
+    rows = []
+    for s in range(STAGES):
+        cells = []
+        for x in ROLES:
+            w = table.get((x, s), {})
+            vals = [(-1 if y not in w else (w[y][0] if w[y][1] == 0 else STAGES + w[y][0])) for y in ROLES]
+            cells.append("{" + ", ".join(f"{v:2d}" for v in vals) + "}")
+        rows.append("    {" + ", ".join(cells) + "},  // stage " + str(s))
+    return "\n".join(rows)
+
+
 def run(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List[Op]] = None):
     """dq, dk, dv, dg, dbeta, dh0 by executing the table (stages in order, roles of a stage one
     after another: hazards() makes that order irrelevant). Raises if an op touches a buffer it
@@ -389,4 +543,5 @@ def markdown(schedule: Optional[List[Op]] = None) -> str:
 
 
 if __name__ == "__main__":
-    print(markdown())
+    import sys
+    print(waits_table_cpp() if "--waits" in sys.argv[1:] else markdown())

@@ -124,3 +124,44 @@ def test_the_plan_shows_this_table():
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "..", "..", "bench", "fused-backward.md")) as f:
         assert fs.markdown() in f.read(), "bench/fused-backward.md's stage table differs from fused_schedule.py"
+
+
+# ---- the waits (bwd_fused_kernel.cuh, stage_wait) ---------------------------------------------
+
+def test_the_waits_order_every_shared_access():
+    """Over three chunks, every pair of accesses by two roles to one shared tile, one of them a
+    write, is ordered by program order, the waits and the chunk fence; no wait can pass early."""
+    assert fs.unordered() == []
+
+
+def test_every_wait_is_needed():
+    """Each of the table's waits left out leaves some pair of accesses unordered: the checker
+    sees what each wait is for, and the table has none to spare."""
+    table = fs.waits()
+    assert sum(len(w) for w in table.values()) > 0
+    for key, ws in table.items():
+        for y in ws:
+            trial = {k: dict(v) for k, v in table.items()}
+            del trial[key][y]
+            assert fs.unordered(table=trial), f"{key[0]} needs no wait on {y} before stage {key[1]}"
+
+
+def test_the_waits_follow_a_moved_op():
+    """P19 (D, stage 15, reads t12 and t22) moved to stage 13: D now reads dAs before R stages it
+    in stage 14, which the derived waits cannot order (R's write comes after in the chunk) and the
+    checker reports; the hazard check sees no clash, since no role touches t12 in stage 13."""
+    moved = _moved("P19:", 13)
+    assert fs.hazards(moved) == []
+    assert fs.unordered(moved, fs.waits()) != []
+
+
+def test_the_kernel_waits_on_this_table():
+    """bwd_fused_kernel.cuh's stage_wait table is fused_schedule.waits_table_cpp()'s text."""
+    import os
+    import re
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "csrc", "sm90", "bwd_fused_kernel.cuh")) as f:
+        src = f.read()
+    rows = re.findall(r"^\s*\{\{.*\}\},\s*// stage \d+$", src, flags=re.M)
+    assert "\n".join(r.strip() for r in rows) == "\n".join(r.strip() for r in fs.waits_table_cpp().splitlines()), \
+        "the kernel's stage_wait table differs from `python tests/python/fused_schedule.py --waits`"
