@@ -11,7 +11,7 @@
 #    order within each role); 2. the fused tests; 3. compute-sanitizer on the C++ cases that run
 #    the fused backward (racecheck and synccheck are the ones the barriers answer to); 4. the
 #    benchmark's rows of this tree (compare with results/h200-2026-11-29/prep-latency.md, same GPU
-#    kind) and the kernel profile.
+#    kind) and the kernel profile (start_states_kernel, also on the branch, has its own row there).
 set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
@@ -28,5 +28,5 @@ timeout 90 python3 bench/run.py --full --contenders flashgdn --modes bwd,fwdbwd 
   --layouts 1x32768,4x8192,1x8192 --no-check --prewarm 0 --target-ms 100 --out "$OUT/rows" 2>&1 | grep -E "^(bwd|fwdbwd) "
 PYTHONPATH=/tmp/site:$PWD/bench timeout 60 python3 bench/profile_kernels.py --T 32768 --heads 16/64 \
   --out "$OUT/kernels.md" > /dev/null 2>&1
-grep -E "forward\+backward|fused_bwd|prep|reduce" "$OUT/kernels.md" | cut -c1-140
+grep -E "forward\+backward|fused_bwd|prep|reduce|start_states" "$OUT/kernels.md" | cut -c1-140
 echo "done $((SECONDS - t0)) s"

@@ -21,25 +21,44 @@ __global__ void first_rows_kernel(SeqLayout seq, int64_t* first_row) {
 
 // h[slot(n, 0)] = the initial state of sequence n in [K, V] order (its pool row, read exactly in
 // its dtype; zero without one or for a negative index), in h's dtype (states_in_bf16: rounded to
-// nearest, as the states pass rounds its rows). One block per (sequence, value head).
+// nearest, as the states pass rounds its rows). A block per (sequence, value head, part of
+// kStartThreads kStartPerThread elements), a thread's loads in flight together: one element at a
+// time, a block a head took ~37 us of load latency (16/64 and 2/8 alike).
+constexpr int kStartThreads = 256, kStartPerThread = 8;
 template <typename TH>
-__global__ void start_states_kernel(BwdParams P) {
+__global__ void __launch_bounds__(kStartThreads) start_states_kernel(BwdParams P) {
   const int64_t n = blockIdx.x, h = blockIdx.y;
   const SeqInfo si = seq_info(P.seq, n);
   if (si.len == 0) return;
   int64_t row = -1;
   if (P.has_initial_state) row = P.has_state_indices ? load_index(P.state_indices, P.idx_dtype, n) : n;
-  const int64_t D = P.D;
-  TH* out = reinterpret_cast<TH*>(P.h) + (chunk_slot(P.seq, n, 0, si.t0) * P.Hv + h) * D * D;
-  for (int64_t e = threadIdx.x; e < D * D; e += blockDim.x) {
-    const int64_t a = e / D, v = e % D;
-    float x = 0.f;
-    if (row >= 0) {
+  const int d = static_cast<int>(P.D), count = d * d;
+  TH* out = reinterpret_cast<TH*>(P.h) + (chunk_slot(P.seq, n, 0, si.t0) * P.Hv + h) * count;
+  const int first = blockIdx.z * kStartThreads * kStartPerThread + threadIdx.x;
+  float x[kStartPerThread];
+#pragma unroll
+  for (int k = 0; k < kStartPerThread; ++k) {
+    const int e = first + k * kStartThreads;
+    x[k] = 0.f;
+    if (row >= 0 && e < count) {
+      const int a = e / d, v = e - a * d;
       const int64_t base = row * P.h0.s0 + h * P.h0.s1;
-      x = load_as_float(P.h0.data, P.h0.dtype, P.state_v_first ? base + v * P.h0.s2 + a : base + a * P.h0.s2 + v);
+      x[k] = load_as_float(P.h0.data, P.h0.dtype, P.state_v_first ? base + v * P.h0.s2 + a : base + a * P.h0.s2 + v);
     }
-    out[e] = from_float<TH>(x);
   }
+#pragma unroll
+  for (int k = 0; k < kStartPerThread; ++k) {
+    const int e = first + k * kStartThreads;
+    if (e < count) out[e] = from_float<TH>(x[k]);
+  }
+}
+
+template <typename TH>
+void launch_start_states(const BwdParams& P, cudaStream_t s, const char* what) {
+  const int64_t parts = ceil_div(P.D * P.D, int64_t{kStartThreads} * kStartPerThread);
+  const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv), static_cast<unsigned>(parts));
+  start_states_kernel<TH><<<grid, kStartThreads, 0, s>>>(P);
+  FGDN_CHECK_LAUNCH(what);
 }
 
 }  // namespace
@@ -63,10 +82,8 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   const bool fast = P.precision_fast != 0 || h16;
   const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
-  const dim3 grid(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv));
-  if (h16) start_states_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(P);
-  else start_states_kernel<float><<<grid, 256, 0, s>>>(P);
-  FGDN_CHECK_LAUNCH("bwd start_states_kernel");
+  if (h16) launch_start_states<__nv_bfloat16>(P, s, "bwd start_states_kernel");
+  else launch_start_states<float>(P, s, "bwd start_states_kernel");
 }
 
 size_t saving_forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) {
@@ -94,8 +111,7 @@ void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* works
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
   FGDN_CHECK_LAUNCH("forward first_rows_kernel");
   sm90::forward_with_states(p, a, sm90::Precision::kFast, a.saved_states.data, first_row, fwd_ws, s);
-  start_states_kernel<__nv_bfloat16><<<dim3(static_cast<unsigned>(P.N), static_cast<unsigned>(P.Hv)), 256, 0, s>>>(P);
-  FGDN_CHECK_LAUNCH("forward start_states_kernel");
+  launch_start_states<__nv_bfloat16>(P, s, "forward start_states_kernel");
 }
 
 }  // namespace flashgdn::cuda::bwd
