@@ -8,10 +8,12 @@
 #
 # 1. build both, flashgdn_run A/B (backward, `default` and `fast`, 16/64 and 2/8 at 32768 tokens,
 #    16/64 at 8192) with the outputs' digests: the same bits are expected (the same ops in the same
-#    order within each role); 2. the fused tests; 3. compute-sanitizer on the C++ cases that run
+#    order within each role; the certificate's new summation order could flip a decision only for
+#    a segment whose bound sits within rounding of e^-16); 2. the fused tests; 3. compute-sanitizer on the C++ cases that run
 #    the fused backward (racecheck and synccheck are the ones the barriers answer to); 4. the
 #    benchmark's rows of this tree (compare with results/h200-2026-11-29/prep-latency.md, same GPU
-#    kind) and the kernel profile (start_states_kernel, also on the branch, has its own row there).
+#    kind) and the kernel profile (start_states_kernel and fused_cp_scan_kernel, also changed on the
+#    branch, have their own rows there).
 set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
@@ -26,7 +28,7 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/python/test_bwd_fused
 echo "tests $((SECONDS - t0)) s"
 timeout 90 python3 bench/run.py --full --contenders flashgdn --modes bwd,fwdbwd --configs 16/64,2/8 \
   --layouts 1x32768,4x8192,1x8192 --no-check --prewarm 0 --target-ms 100 --out "$OUT/rows" 2>&1 | grep -E "^(bwd|fwdbwd) "
-PYTHONPATH=/tmp/site:$PWD/bench timeout 60 python3 bench/profile_kernels.py --T 32768 --heads 16/64 \
+PYTHONPATH=/tmp/site:$PWD/bench timeout 60 python3 bench/profile_kernels.py --T 32768 --heads 16/64,2/8 \
   --out "$OUT/kernels.md" > /dev/null 2>&1
-grep -E "forward\+backward|fused_bwd|prep|reduce|start_states" "$OUT/kernels.md" | cut -c1-140
+grep -E "forward\+backward|fused_bwd|prep|reduce|start_states|cp_scan" "$OUT/kernels.md" | cut -c1-140
 echo "done $((SECONDS - t0)) s"

@@ -43,12 +43,15 @@ __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int s
 // c_L + sum_t log max(1, |1 - beta_t |k_t|^2|), from the keys the walk multiplies). Below e^-16
 // (the forward's kCertifyLogDecay: 1.1e-7 of the carry, four orders below a bf16 ulp) A_s X is
 // dropped: its walk is not run and the scan takes X = B_s. The kernel and the scan decide alike
-// (the same sum in the same order).
+// (the same sum in the same order). Every lane of a warp asks together: lane l sums the chunks
+// l, l + 32, .., then the warp's butterfly (every lane the same value): a segment's bounds loaded
+// at once, where one thread summing them in turn waited out a load each (the scan asks once a
+// segment, one after another).
 constexpr float kTransferLogBound = -16.f;
 __device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
   float s = 0.f;
-  for (int j = 0; j < chunks; ++j) s += bound[u0 + j * hv];
-  return s < kTransferLogBound;
+  for (int j = static_cast<int>(threadIdx.x & 31); j < chunks; j += 32) s += bound[u0 + j * hv];
+  return cuda::warp_sum(s) < kTransferLogBound;
 }
 
 // What a CTA's walk does. Phase 0 walks segments 0 .. S - 2 of a sequence of S segments (all of
