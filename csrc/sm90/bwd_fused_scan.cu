@@ -21,7 +21,7 @@ struct ScanSmem {
   float x[kD][kScanCols];
 };
 
-__global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params K) {
+__global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Params K) {
   const int64_t n = blockIdx.x;
   const int h = blockIdx.y, tid = threadIdx.x;
   const int total = static_cast<int>(ceil_div(seq_info(K.seq, n).len, int64_t{kC}));
@@ -38,18 +38,42 @@ __global__ void __launch_bounds__(kScanThreads) fused_cp_scan_kernel(fk::Params 
     S.x[r0 + 32 * j][col] = x[j];
   }
   const int u_first = static_cast<int>(chunk_slot(K.seq, n, 0, seq_info(K.seq, n).t0)) * K.Hv + h;
-  for (int s = segs - 2; s >= 1; --s) {
+  // Segment s's B_s rows of this thread's column and whether A_s counts (the certificate), fetched
+  // a segment ahead, in flight under the product before; A_s to the shared tile a half at a time,
+  // each half's loads in flight together (a load at a time, a segment waited out ~20 latencies).
+  // Three CTAs an SM (the shared tiles allow three): 80 registers, the product unrolled twice.
+  constexpr int kALoads = kD * kD / 4 / kScanThreads, kAPart = kALoads / 2;
+  float nb[kScanRows];
+  const auto fetch = [&](int s) {
     const float* Bm = K.cp_maps + (chain + s) * 2 * kD * kD;
 #pragma unroll
-    for (int j = 0; j < kScanRows; ++j) x[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
+    for (int j = 0; j < kScanRows; ++j) nb[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
     const int first = s * K.seg_chunks;
-    if (!fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv)) {
-      const float* A = K.cp_maps + ((chain + s) * 2 + 1) * kD * kD;
-      for (int j = tid; j < kD * kD / 4; j += kScanThreads)
-        *reinterpret_cast<float4*>(&S.a[j / (kD / 4)][4 * (j % (kD / 4))]) =
-            __ldg(reinterpret_cast<const float4*>(A) + j);
-      __syncthreads();  // A_s and X in shared memory
-#pragma unroll 4
+    return !fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv);
+  };
+  bool need_next = fetch(segs - 2);
+  for (int s = segs - 2; s >= 1; --s) {
+    const bool need = need_next;
+#pragma unroll
+    for (int j = 0; j < kScanRows; ++j) x[j] = nb[j];
+    if (need) {
+      const float4* A = reinterpret_cast<const float4*>(K.cp_maps + ((chain + s) * 2 + 1) * kD * kD);
+#pragma unroll
+      for (int part = 0; part < kALoads / kAPart; ++part) {
+        float4 a[kAPart];
+#pragma unroll
+        for (int j = 0; j < kAPart; ++j) a[j] = __ldg(A + tid + (part * kAPart + j) * kScanThreads);
+#pragma unroll
+        for (int j = 0; j < kAPart; ++j) {
+          const int e = tid + (part * kAPart + j) * kScanThreads;
+          *reinterpret_cast<float4*>(&S.a[e / (kD / 4)][4 * (e % (kD / 4))]) = a[j];
+        }
+      }
+    }
+    __syncthreads();  // A_s and X in shared memory
+    if (s > 1) need_next = fetch(s - 1);
+    if (need) {
+#pragma unroll 2
       for (int k = 0; k < kD; k += 4) {
         const float x0 = S.x[k][col], x1 = S.x[k + 1][col], x2 = S.x[k + 2][col], x3 = S.x[k + 3][col];
 #pragma unroll
