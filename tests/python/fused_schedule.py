@@ -532,6 +532,110 @@ def run(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List
     return dq, dk, dv, dg, dbeta, e.buf["C.dS"]
 
 
+def run_concurrent(q, k, v, g, beta, scale, s0, do, dht, rnd=exact, schedule: Optional[List[Op]] = None,
+                   table: Optional[Dict[Tuple[str, int], Dict[str, Wait]]] = None, seed: int = 0):
+    """run()'s gradients with the kernel's actors interleaved at random (seed): the three roles, each
+    op at a time, waiting only where `table` says (and for the full barriers and `out`); the
+    producer loading a chunk's tiles once every role has ended the stage after which they are
+    reloaded (RELOADED_AFTER); the store warp shipping `out` once its writer ended the stage
+    (STORES) and freeing it for the next write. Wherever the waits leave a pair of accesses
+    unordered, some interleaving computes other values than run()."""
+    schedule = SCHEDULE if schedule is None else schedule
+    table = waits(schedule) if table is None else table
+    rng = np.random.default_rng(seed)
+    _, _, starts = forward(q, k, v, g, beta, scale, s0)
+    bounds = list(reversed(_chunks(q.shape[0])))
+    starts = list(reversed(starts))
+    n_chunks = len(bounds)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dg, dbeta = np.zeros_like(g), np.zeros_like(beta)
+    e = Env(rnd)
+    done = set()          # (role, chunk, stage) ended
+    freed = set()         # (j, chunk): the store warp shipped out_written(j)'s out
+    loaded = set()        # (group, chunk): "qkvS0", "arO", "gv"
+    written = {0: 0, 1: 4, 2: 10}
+    writer = {0: "D", 1: "D", 2: "R"}
+
+    def tiles(i):
+        a, b = bounds[i]
+        c, gam = _gates(g[a:b])
+        ar, _ = _inverse(k[a:b], beta[a:b])
+        return {"qkvS0": dict(q=q[a:b], k=k[a:b], v=v[a:b], S0=rnd("S0", starts[i])),
+                "arO": dict(ar=rnd("Ar", ar), dO=do[a:b]),
+                "gv": dict(gv=dict(c=c, gam=gam, ec=np.exp(c), eL=np.exp(c[-1]), beta=beta[a:b], scale=scale))}
+
+    def producer():
+        for i in range(n_chunks):
+            t = tiles(i)
+            for grp, after in (("qkvS0", RELOADED_AFTER["q"]), ("arO", RELOADED_AFTER["ar"]),
+                               ("gv", RELOADED_AFTER["gv"])):
+                if i > 0:
+                    yield lambda i=i, after=after: all((y, i - 1, after) in done for y in ROLES)
+                e.buf.update(t[grp])
+                loaded.add((grp, i))
+                yield None
+
+    def store_warp():
+        for i in range(n_chunks):
+            for j in range(3):
+                yield lambda i=i, j=j: (writer[j], i, written[j]) in done
+                a, b = bounds[i]
+                if j == 0 and i > 0:
+                    pa, pb = bounds[i - 1]
+                    dk[pa:pb] = e.buf["out"]
+                elif j == 1:
+                    dv[a:b] = e.buf["out"]
+                elif j == 2:
+                    dq[a:b] = e.buf["out"]
+                freed.add((j, i))
+                yield None
+
+    def role(x):
+        for i in range(n_chunks):
+            yield lambda i=i: all((grp, i) in loaded for grp in ("qkvS0", "arO", "gv"))
+            for st in range(STAGES):
+                for y, (t, off) in table.get((x, st), {}).items():
+                    if i + off >= 0:
+                        yield lambda y=y, t=t, j=i + off: (y, j, t) in done
+                for j in range(3):
+                    if written[j] == st and writer[j] == x:
+                        prev, chunk = (2, i - 1) if j == 0 else (j - 1, i)
+                        if chunk >= 0:
+                            yield lambda prev=prev, chunk=chunk: (prev, chunk) in freed
+                for op in [o for o in schedule if o.stage == st and o.role == x]:
+                    if op.name == _emit_dk.name and i == 0:
+                        continue
+                    e.read, e.written = set(), set()
+                    op.fn(e)
+                    yield None
+                if x == "R" and st == STAGES - 1:
+                    a, b = bounds[i]
+                    dg[a:b] = e.buf["R.dg"]
+                    dbeta[a:b] = e.buf["dbeta_R"]
+                done.add((x, i, st))
+                yield None
+        if x == "D" and n_chunks > 0:
+            yield lambda: (2, n_chunks - 1) in freed
+            a, b = bounds[-1]
+            dk[a:b] = rnd("out", e.buf["D.acc"])
+
+    e.buf["C.dS"] = dht.copy()
+    e.buf["dsm"] = rnd("dS_mirror", dht.copy())  # the carry's first mirror, before the walk's rendezvous
+    actors = [producer(), store_warp()] + [role(x) for x in ROLES]
+    # Each actor a speed of its own (log-uniform over e^-6 .. e^6): one far behind the others is
+    # what exposes a missing wait, and a uniform choice rarely leaves one behind for long.
+    speed = np.exp(rng.uniform(-6.0, 6.0, len(actors)))
+    pending = [next(a, "end") for a in actors]
+    while any(p != "end" for p in pending):
+        ready = [n for n, p in enumerate(pending) if p != "end" and (p is None or p())]
+        if not ready:
+            raise AssertionError("deadlock: no actor can proceed")
+        w = speed[ready] / speed[ready].sum()
+        n = ready[rng.choice(len(ready), p=w)]
+        pending[n] = next(actors[n], "end")
+    return dq, dk, dv, dg, dbeta, e.buf["C.dS"]
+
+
 def markdown(schedule: Optional[List[Op]] = None) -> str:
     """The table as bench/fused-backward.md shows it: a row a stage, a column a role."""
     schedule = SCHEDULE if schedule is None else schedule
