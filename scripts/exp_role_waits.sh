@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # exp/role-waits on the GPU in one call (prepared in the nineteenth session, not yet run): the
 # fused walk's roles waiting for one another only where the stage table orders a shared tile
-# (stage_wait; 16 waits a chunk where 16 rendezvous of all three roles were), against main.
+# (stage_wait; 16 waits a chunk where 16 rendezvous of all three roles were), with
+# start_states_kernel, fused_cp_scan_kernel and fused_reduce_kernel's latency and index-math
+# changes, against main.
 #
 #   here:   bash scripts/ab_base.sh main           # main's tree into .ab/base
 #   device: carry [".ab"]; command: OUT=$OUT bash scripts/exp_role_waits.sh
 #
-# 1. build both, flashgdn_run A/B (backward, `default` and `fast`, 16/64 and 2/8 at 32768 tokens,
-#    16/64 at 8192) with the outputs' digests: the same bits are expected (the same ops in the same
-#    order within each role; the certificate's new summation order could flip a decision only for
-#    a segment whose bound sits within rounding of e^-16); 2. the fused tests; 3. compute-sanitizer on the C++ cases that run
-#    the fused backward (racecheck and synccheck are the ones the barriers answer to); 4. the
-#    benchmark's rows of this tree (compare with results/h200-2026-11-29/prep-latency.md, same GPU
-#    kind) and the kernel profile (start_states_kernel and fused_cp_scan_kernel, also changed on the
-#    branch, have their own rows there).
+# 1. both built, flashgdn_run A/B (backward, `default` and `fast`, 16/64 and 2/8 at 32768
+#    tokens, 16/64 at 8192) with the outputs' digests: the same bits are expected (the same
+#    operations in the same order; the certificate's new summation order could flip a decision
+#    only for a segment whose bound sits within rounding of e^-16); 2. compute-sanitizer on the C++
+#    cases that run the fused backward (racecheck and synccheck are what the barriers answer to);
+#    3. the fused tests; 4. this tree's benchmark rows (compare with results/h200-2026-11-29/
+#    prep-latency.md, same GPU kind) and kernel profile (each changed kernel has its own row).
 set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
