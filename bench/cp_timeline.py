@@ -11,6 +11,10 @@ without decay).
         each cell's replay time with CP automatic, then with CP on at each fixed segment length
         (cp_segment = 64 L tokens): which L the cost model should pick.
 
+    --saved-states: the forward that also writes the chunk-start states for the backward (what
+        autograd's forward runs on the fused backward's calls: chunk_gated_delta_rule_fwd with
+        saved_states), whose CP walks the exact segments a second time for them.
+
     --seed N: the benchmark's input set N (it rotates sets 0, 1, .., two for the largest cells;
         the plan's choice follows the gates, and at step 32e 8/32 mix32768 declined to split with
         set 1 only: bench/NOTES.md).
@@ -32,6 +36,7 @@ KERNELS = ("bounds", "certify", "plan", "scan", "correct", "pack_rows", "checkpo
 
 
 SEED = 0  # the input set (--seed)
+SAVED_STATES = False  # the saving forward (--saved-states)
 
 
 def cell_inputs(cell):
@@ -44,7 +49,21 @@ def cell_inputs(cell):
 
 def captured(x, cp, segment=0):
     """A CUDA graph of one forward call (after three warm-up calls on a side stream)."""
+    saved = None
+    if SAVED_STATES:
+        from flashgdn._core import saved_states_rows
+        rows = saved_states_rows(x["q"], x["k"], x["v"], x["cu"])
+        if rows == 0:
+            raise SystemExit("cp_timeline.py --saved-states: this call saves no states (not the fused backward's)")
+        hv, d = x["v"].shape[2], x["v"].shape[3]
+        saved = torch.empty(rows, hv, d, d, dtype=torch.bfloat16, device=x["q"].device)
+
     def call():
+        if saved is not None:
+            flashgdn.chunk_gated_delta_rule_fwd(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], True, True, x["cu"],
+                cu_seqlens_host=x["cu_host"], context_parallel=cp, cp_segment=segment, saved_states=saved)
+            return
         flashgdn.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"],
@@ -132,9 +151,11 @@ def main():
     ap.add_argument("cells", help='";"-separated cells, e.g. "2/8 1x2048;4/16 1x8192" (with --segments: "CELL:L,L,..")')
     ap.add_argument("--segments", action="store_true", help="replay times at fixed segment lengths L (chunks)")
     ap.add_argument("--seed", type=int, default=0, help="the benchmark's input set (default 0)")
+    ap.add_argument("--saved-states", action="store_true", help="the forward that writes the backward's states")
     args = ap.parse_args()
-    global SEED
+    global SEED, SAVED_STATES
     SEED = args.seed
+    SAVED_STATES = args.saved_states
     if not torch.cuda.is_available():
         raise SystemExit("cp_timeline.py: no CUDA device")
     specs = [c.strip() for c in args.cells.split(";") if c.strip()]

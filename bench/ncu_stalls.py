@@ -49,10 +49,15 @@ def summarize(path: str, top: int) -> None:
         if v:
             print(f"  {s:24s} {v:9d} {100 * v / n:5.1f}%")
     key = "Warp Stall Sampling (All Samples)"
+    where = {r[0]: i for i, r in enumerate(rows)}
     for r in sorted(rows, key=lambda r: -int(r[ix[key]] or 0))[:top]:
         k = int(r[ix[key]] or 0)
         why = max(reasons, key=lambda s: int(r[ix[s]] or 0))
-        print(f"  {r[0]} {k:7d} {100 * k / n:5.1f}% {why:18s} {r[1].strip()[:80]}")
+        # A wait's branch: the mbarrier it polls, from the try_wait just before it.
+        i = where[r[0]]
+        polls = [rows[j][1].strip() for j in range(max(0, i - 3), i) if "SYNCS.PHASECHK" in rows[j][1]]
+        barrier = f"  <- {polls[-1].split(',')[1].strip()}" if polls and "," in polls[-1] else ""
+        print(f"  {r[0]} {k:7d} {100 * k / n:5.1f}% {why:18s} {r[1].strip()[:60]}{barrier}")
 
 
 if __name__ == "__main__":
