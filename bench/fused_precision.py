@@ -15,7 +15,14 @@ sum_t dg_t g_t (dA_log's sum, as d g_t / d A_log = g_t), with one more staged va
 time (docs/reliability.md D7), over --seeds draws. The fused `default` stages Tb, dVn and R as fp16
 tiles (chunk_form_fused.island), every other staged value in bf16.
 
+--states prices the chunk-start states the backward reads (the forward's, under autograd) by how
+the forward's state recurrence rounds its operands: per chunk KS = K S, Vn = Tb (V - e^c KS), S' =
+e^{c_L} S + K^T (e^{c_L - c} Vn), where `fast` rounds the wgmma operands S, Y = beta (V - e^c KS),
+the inverse and e^{c_L - c} Vn to bf16, `high` splits them (taken as exact here) and the candidates
+split some; every state is then stored in bf16 and walked by the fused `default` backward (the island).
+
     python bench/fused_precision.py [--T 2048] [--heads 8] [--K 128] [--keys normal] [--beta B] [--halves]
+    python bench/fused_precision.py --states [--T 2048] [--heads 8] [--seeds 2]
     python bench/fused_precision.py --dalog [--T 257] [--heads 4] [--seeds 4]
 """
 import argparse
@@ -97,6 +104,63 @@ def dalog_table(T, n_heads, K, seeds):
         print(f"| {label} | {np.median(dg):.2e} ({max(dg):.2e}) | {np.median(da):.2e} ({max(da):.2e}) |")
 
 
+# The forward's state recurrence (fwd_state.cuh): which wgmma operands stay exact (split into
+# hi + lo), the rest rounded to bf16. S: the state as X = K S's operand; Y = beta (V - e^c X) and T
+# (Tb's gate-free part with Gam) as Vn = T Y's; Vd = e^{c_L - c} (.) Vn as the update's
+# (S' = e^{c_L} S + K^T Vd, K the input). `high` splits all four, `fast` none.
+STATE_POLICIES = {
+    "`high` (every operand split)": {"S", "Y", "T", "Vd"},
+    "`fast` (every operand bf16)": set(),
+    "S split": {"S"},
+    "Vd split (one more 128 x 128 x 64 product a chunk)": {"Vd"},
+    "S, Vd split": {"S", "Vd"},
+    "Y, T split": {"Y", "T"},
+    "Y, T, Vd split": {"Y", "T", "Vd"},
+}
+
+
+def forward_states(q, k, v, g, beta, s0, split):
+    """The chunk-start states of the forward's recurrence with the operands not in `split` rounded
+    to bf16 (accumulation exact: the kernel's fp32 accumulators are not modelled)."""
+    r = lambda name, x: x if name in split else bf16(x)  # noqa: E731
+    S, starts = s0.copy(), []
+    for a, b in cf._chunks(q.shape[0]):
+        starts.append(S.copy())
+        c, gam = cf._gates(g[a:b])
+        ar, _ = cf._inverse(k[a:b], beta[a:b])
+        y = beta[a:b][:, None] * (v[a:b] - np.exp(c)[:, None] * (k[a:b] @ r("S", S)))
+        vn = r("T", gam * ar) @ r("Y", y)
+        vd = np.exp(c[-1] - c)[:, None] * vn
+        S = np.exp(c[-1]) * S + k[a:b].T @ r("Vd", vd)
+    return starts
+
+
+def states_table(T, n_heads, K, seeds):
+    """Each gradient's relative L2 error (against the unrounded backward) of the fused `default`
+    walk on the states of each STATE_POLICIES recurrence, over all heads and seeds."""
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    acc = {label: [[0.0, 0.0] for _ in names] for label in STATE_POLICIES}
+    for seed in range(seeds):
+        rng = np.random.default_rng(200 + seed)
+        A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, n_heads - 1))
+        for h in range(n_heads):
+            q, k, v, g, beta, scale, s0, do, dht = head_inputs(rng, T, K, A[h])
+            ex = cf.backward(q, k, v, g, beta, scale, s0, do, dht)
+            for label, split in STATE_POLICIES.items():
+                starts = forward_states(q, k, v, g, beta, s0, split)
+                got = cf._walk(q, k, v, g, beta, scale, starts, do, {len(starts): dht}, cf.island())
+                for i in range(len(names)):
+                    acc[label][i][0] += ((got[i] - ex[i]) ** 2).sum()
+                    acc[label][i][1] += (ex[i] ** 2).sum()
+    print(f"T {T}, {n_heads} heads (A = 0 on head 0, 16 U(0, 1) on the others), K = V = {K}, {seeds} seeds; "
+          "the fused `default` walk on each recurrence's states (stored bf16); relative L2 against the "
+          "unrounded backward")
+    print("| the forward's states | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for label, errs in acc.items():
+        print(f"| {label} | " + " | ".join(f"{np.sqrt(n / d):.2e}" for n, d in errs) + " |")
+
+
 def halves_dq(x):
     """dq exact, rounded once, and as the two value halves' bf16 partials summed and rounded: per
     chunk, half b's part of dQ~ = dO S0^T (its columns), block 0 also the terms without V."""
@@ -122,10 +186,14 @@ def main():
     ap.add_argument("--beta", type=float, default=None)
     ap.add_argument("--halves", action="store_true")
     ap.add_argument("--dalog", action="store_true")
+    ap.add_argument("--states", action="store_true")
     ap.add_argument("--seeds", type=int, default=4)
     a = ap.parse_args()
     if a.dalog:
         dalog_table(a.T, a.heads, a.K, a.seeds)
+        return
+    if a.states:
+        states_table(a.T, a.heads, a.K, a.seeds)
         return
     rng = np.random.default_rng(2026)
     A = [0.0] + list(16.0 * rng.uniform(0.0, 1.0, a.heads - 1))

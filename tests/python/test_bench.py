@@ -728,6 +728,25 @@ def test_fused_precision_dalog_table():
     assert all(math.isfinite(x) and 0 < x < 0.1 for x in da), rows
 
 
+def test_fused_precision_states_table():
+    """bench/fused_precision.py --states: a row per state-recurrence policy; `high` (every operand
+    split, taken as exact) gives the states' own bf16 storage as the only rounding, so each
+    gradient's error there is at most `fast`'s (every operand rounded) on the same inputs; dv and
+    dh0 do not read the states' products and are equal in every row."""
+    r = subprocess.run([sys.executable, str(BENCH_DIR / "fused_precision.py"), "--states", "--T", "200", "--heads", "2",
+                        "--K", "16", "--seeds", "1"], capture_output=True, text=True, cwd=str(BENCH_DIR.parent),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {ln.split("|")[1].strip(): [float(x) for x in ln.split("|")[2:-1]]
+            for ln in r.stdout.splitlines() if ln.startswith("| `") or ln.startswith("| S") or ln.startswith("| Y")
+            or ln.startswith("| Vd")}
+    assert len(rows) == 7, r.stdout
+    high, fast = rows["`high` (every operand split)"], rows["`fast` (every operand bf16)"]
+    assert all(math.isfinite(e) and 0 < e < 0.1 for row in rows.values() for e in row), rows
+    assert high[3] < fast[3] and high[0] < fast[0], (high, fast)  # dg, dq
+    assert all(row[2] == high[2] and row[5] == high[5] for row in rows.values()), rows
+
+
 def test_grad_precision_parses_variants_and_layouts():
     """bench/grad_precision.py: a variant is a level with optional VAR=VAL pairs the library reads
     at each call; a layout is 'check' or NxT; anything else is refused naming the option."""
