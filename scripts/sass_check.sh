@@ -37,7 +37,7 @@ for o in $objs; do
   while IFS=$'\t' read -r obj fn regs stack; do
     cnt=$(awk -F'\t' -v f="$fn" '$1 == f { print $2 " | " $3 " | " $4 " | " $5 " | " $6 " | " $7 }' /tmp/sass_cnt.$$)
     short=$(echo "$fn" | c++filt 2>/dev/null | sed -E 's/^void //; s/\([^()]*\)$//; s/\(anonymous namespace\):://g;
-      s/flashgdn::(sm90|cuda):://g; s/\(Precision\)0/fast/; s/\(Precision\)1/high/' | cut -c1-90)
+      s/flashgdn::(sm90|cuda):://g; s/\(Precision\)0/fast/; s/\(Precision\)1/high/; s/\(Precision\)2/split_states/' | cut -c1-90)
     echo "| $obj | \`$short\` | $regs | $stack | ${cnt:-? | ? | ? | ? | ? | ?} |"
   done < /tmp/sass_res.$$
 done

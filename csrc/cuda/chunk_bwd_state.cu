@@ -61,6 +61,14 @@ void launch_start_states(const BwdParams& P, cudaStream_t s, const char* what) {
   FGDN_CHECK_LAUNCH(what);
 }
 
+// The forward kernel whose states the fused backward reads: `fast`'s at `fast`; at `default` the
+// one that splits the state recurrence's operands (S and e^{c_L - c} Vn: fwd_traits.cuh): by the
+// emulation (bench/fused_precision.py --states, 6 seeds) dg 3.7e-3 against 4.4e-3 on `fast`
+// states, 3.4e-3 on `high` ones, dq 3.2e-3 against 3.9e-3, for two more products a chunk.
+sm90::Precision fused_states_precision(bool fast) {
+  return fast ? sm90::Precision::kFast : sm90::Precision::kSplitStates;
+}
+
 }  // namespace
 
 size_t states_workspace_bytes(const Problem& p, const fgdn_inputs& in) {
@@ -75,12 +83,11 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   // `high` states (within ~5e-6 of the float64 ones) keep the staged backward's gradients at
   // their output's rounding floor at `default` and `high`; the `fast` level takes the `fast`
   // kernel's states (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg
-  // 3.8e-3 -> 4.6e-3: bench/NOTES.md, step 14), and so does the fused backward (bf16 h) at both of
-  // its levels: its 16-bit staging, not the states, sets its errors' scale, and with `fast` states
-  // they stay below the best peer's (results/h200-2026-11-29/default-fast-states.md: seed 7,
-  // `default`, dq 0.86x, dg 0.98x FlashQLA's; forward + backward 16/64 1x32768 -11%).
-  const bool fast = P.precision_fast != 0 || h16;
-  const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
+  // 3.8e-3 -> 4.6e-3: bench/NOTES.md, step 14). The fused backward (bf16 h) at `default` takes
+  // the split-states kernel's (fused_states_precision): `high` states cost it ~1 ms at 16/64
+  // 1x32768, `fast` ones left dg at 1.08x FlashQLA's error (flashqla-side-by-side.md).
+  const sm90::Precision level = h16 ? fused_states_precision(P.precision_fast != 0)
+                                    : (P.precision_fast != 0 ? sm90::Precision::kFast : sm90::Precision::kHigh);
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);
   if (h16) launch_start_states<__nv_bfloat16>(P, s, "bwd start_states_kernel");
   else launch_start_states<float>(P, s, "bwd start_states_kernel");
@@ -91,9 +98,10 @@ size_t saving_forward_workspace_bytes(const Problem& p, const fgdn_fwd_args& a) 
 }
 
 // The forward that also writes the backward's chunk-start states into a.saved_states: the rows
-// as launch_bwd_states writes them, by the kernel the fused backward's states pass takes (`fast`
-// at both of its levels: o is then the forward's own at `default` too), then every sequence's
-// first slot from its initial state. No state_indices (validation): a pool written back by the
+// as launch_bwd_states writes them, by the kernel the fused backward's states pass takes
+// (fused_states_precision: at `default` the split-states kernel, whose o and final state are
+// closer to the float64 ones than the inference forward's `fast` kernel gives), then every
+// sequence's first slot from its initial state. No state_indices (validation): a pool written back by the
 // forward would be read after it.
 void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* workspace, cudaStream_t s) {
   if (p.N == 0) return;
@@ -110,7 +118,8 @@ void forward_saving_states(const Problem& p, const fgdn_fwd_args& a, void* works
   char* fwd_ws = static_cast<char*>(workspace) + align256(static_cast<size_t>(p.N) * sizeof(int64_t));
   first_rows_kernel<<<static_cast<unsigned>(ceil_div(P.N, 256)), 256, 0, s>>>(P.seq, first_row);
   FGDN_CHECK_LAUNCH("forward first_rows_kernel");
-  sm90::forward_with_states(p, a, sm90::Precision::kFast, a.saved_states.data, first_row, fwd_ws, s);
+  sm90::forward_with_states(p, a, fused_states_precision(p.precision == FGDN_PRECISION_FAST), a.saved_states.data,
+                            first_row, fwd_ws, s);
   launch_start_states<__nv_bfloat16>(P, s, "forward start_states_kernel");
 }
 

@@ -1,7 +1,8 @@
 // The Hopper forward kernels: one per entry of FGDN_CUDA_DIM_TYPES (cuda/dim_type_dispatch.h:
 // head dim {64, 128} x operand type {bf16, fp16}), each with both precision schemes
-// (Precision::kFast, kHigh: fwd_traits.cuh) and, at D = 128, whole or column-split CTAs (12
-// kernels), one translation unit per (head dim, type) under csrc/sm90/instantiations/ so that
+// (Precision::kFast, kHigh: fwd_traits.cuh) and, at D = 128, whole or column-split CTAs; D = 128
+// bf16 also Precision::kSplitStates (the fused backward's states at `default`): 14 kernels, one
+// translation unit per (head dim, type) under csrc/sm90/instantiations/ so that
 // they compile in parallel. scripts/gen_sm90_instantiations.py writes those units from the list;
 // its --check (a ctest) fails when they and the list disagree.
 #pragma once

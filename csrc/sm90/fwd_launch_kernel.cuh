@@ -1,6 +1,9 @@
 // Definition of launch_fwd (fwd_instantiate.h), included by the instantiation units only.
 #pragma once
 
+#include <stdexcept>
+#include <type_traits>
+
 #include "cuda/device_utils.cuh"
 #include "sm90/dependent_launch.h"
 #include "sm90/fwd_instantiate.h"
@@ -32,6 +35,14 @@ void launch_fwd(const FwdParams& fp, Precision precision, int64_t ctas, cudaStre
   switch (precision) {
     case Precision::kFast: launch_columns<kD, Tin, Precision::kFast>(fp, ctas, stream); break;
     case Precision::kHigh: launch_columns<kD, Tin, Precision::kHigh>(fp, ctas, stream); break;
+    case Precision::kSplitStates:
+      // Instantiated for the fused backward's shape alone (D = 128, bf16): two kernels, not eight.
+      if constexpr (kD == 128 && std::is_same_v<Tin, __nv_bfloat16>) {
+        launch_columns<kD, Tin, Precision::kSplitStates>(fp, ctas, stream);
+      } else {
+        throw std::logic_error("flashgdn: the split-states forward is instantiated for D = 128, bf16 only");
+      }
+      break;
   }
 }
 

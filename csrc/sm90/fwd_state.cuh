@@ -72,7 +72,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
   }
   using Tin = typename Tr::Tin;
   constexpr int kB = Tr::kBlocks, kKSteps = Tr::kD / 16;
-  constexpr bool kSS = Tr::kSplitState, kSL = Tr::kSplitLocal;
+  constexpr bool kSS = Tr::kSplitState, kSU = Tr::kSplitUpdate, kSL = Tr::kSplitLocal;
   const bool states_only = Tr::kPrecision == Precision::kHigh && !fwd_writes_output(p);
 
   // ---- initial state ---------------------------------------------------------------------
@@ -218,7 +218,7 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
         // Formed even where states_only skips their products: skipping them too spilled 112 B
         // in the `high` kernel at D = 128 (nvcc 13.0).
         to_fragments<Tin, kSL>(vn, s, nullptr, na[s], nl[s]);
-        to_fragments<Tin, kSL>(vn, s, loc.vd, da[s], dl[s]);
+        to_fragments<Tin, kSU>(vn, s, loc.vd, da[s], dl[s]);
       }
       const float decay = loc.decay;
 #pragma unroll
@@ -232,10 +232,10 @@ __device__ __forceinline__ void fwd_state(const FwdParams& p, FwdSmem<Tr>& sm, c
         const uint64_t dk = desc_mn_major(smem_addr(&in.qk[0][64 + 16 * s][0]), sizeof(in.qk[0]));
         if constexpr (kB == 2) {
           wgmma_rs_n128<Tin, 1>(S[0], S[kB - 1], da[s], dk, 1);
-          if constexpr (kSL) wgmma_rs_n128<Tin, 1>(S[0], S[kB - 1], dl[s], dk, 1);
+          if constexpr (kSU) wgmma_rs_n128<Tin, 1>(S[0], S[kB - 1], dl[s], dk, 1);
         } else {
           wgmma_rs_n64<Tin, 1>(S[0], da[s], dk, 1);
-          if constexpr (kSL) wgmma_rs_n64<Tin, 1>(S[0], dl[s], dk, 1);
+          if constexpr (kSU) wgmma_rs_n64<Tin, 1>(S[0], dl[s], dk, 1);
         }
         if (!states_only) {
           const uint64_t dp = desc_k_major(smem_addr(&loc.p[0][0][0]) + s * 32);

@@ -11,8 +11,15 @@ namespace flashgdn::sm90 {
 //   kFast : every operand one 16-bit value (as the peers do): o within the peers' error.
 //   kHigh : every computed operand split (S, Y, Vn, Vd on the A side, T and P on the B side):
 //           the chunk math keeps ~fp32 accuracy and o lands at the bf16 rounding floor.
+//   kSplitStates : the state recurrence's two operands split (S in X = K S and O1 = Q S; Vd =
+//           e^{c_L - c} Vn in the update S' = e^{c_L} S + K^T Vd), the chunk-local ones (Y, T, P)
+//           one 16-bit value: the states the fused backward reads at `default` (its states pass
+//           and the forward that saves them): by the emulation (bench/fused_precision.py
+//           --states, 6 seeds) dg 3.7e-3 against 4.4e-3 on kFast's states, 3.4e-3 on kHigh's, for
+//           two more products a chunk.
+//           D = 128, bf16 only (the fused backward's).
 // (Splitting S alone was measured: o 3.4-3.5e-3 against 3.7-3.9e-3 for kFast, bench/NOTES.md.)
-enum class Precision : int { kFast = 0, kHigh = 1 };
+enum class Precision : int { kFast = 0, kHigh = 1, kSplitStates = 2 };
 
 // kSplitColumns_: each CTA owns one 64-column block of the value dimension (D = 128 only), for
 // launches whose work items fill less than half the GPU: two CTAs per item on two SMs, each
@@ -53,8 +60,9 @@ struct FwdTraits {
   static constexpr uint32_t kFkFullArrivals = 32;
 
   static constexpr Precision kPrecision = kPrecision_;
-  static constexpr bool kSplitState = kPrecision == Precision::kHigh;
-  static constexpr bool kSplitLocal = kPrecision == Precision::kHigh;
+  static constexpr bool kSplitState = kPrecision != Precision::kFast;   // S: kHigh, kSplitStates
+  static constexpr bool kSplitUpdate = kPrecision != Precision::kFast;  // Vd: kHigh, kSplitStates
+  static constexpr bool kSplitLocal = kPrecision == Precision::kHigh;   // Y, Vn (o), T, P
   static constexpr int kLocalParts = kSplitLocal ? 2 : 1;  // T and P: hi (+ lo)
 
   // Ring depths: raw chunk inputs (TMA) and chunk-local results. Three input stages let the TMA

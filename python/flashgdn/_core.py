@@ -354,7 +354,9 @@ def chunk_gated_delta_rule_fwd(
     ``saved_states``: a ``[saved_states_rows(...), Hv, K, V]`` bfloat16 output (contiguous) for
     the chunk-start states the backward of the same call then reads instead of recomputing
     them (``chunk_gated_delta_rule_bwd(saved_states=...)``; CUDA, where the backward takes them;
-    written by the forward's ``"fast"`` kernel at ``"fast"`` and ``"default"`` alike; docs/api.md).
+    written by the forward's ``"fast"`` kernel at ``"fast"``, at ``"default"`` by the one that
+    splits the state recurrence's operands, whose o then differs in its last bits from the
+    forward without saved states; docs/api.md).
     ``before_launch``: called once every argument but the tensors' values has been validated
     (the workspace query), just before the library runs; the engines' entry points
     (``flashgdn.engines``) check the values they need and zero fresh pool rows there.
