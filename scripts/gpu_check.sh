@@ -3,7 +3,8 @@
 # C++ and Python GPU tests, the compute-sanitizer matrix, and a short timing; print a table last.
 #
 #   bash scripts/gpu_check.sh [steps]     steps: any of build,ctest,pytest,sanitize,time (default all);
-#                                         fuzz, sanitize-fuzz, fwd, bwd, ab and ncu run only when named
+#                                         fuzz, sanitize-fuzz, fwd, bwd, ab, ncu and timeline run only
+#                                         when named
 #
 # Carried builds: build-gpu/ (cmake build with CUDA) and dist/*.whl (the Python wheel, cp312
 # stable ABI). Without them it builds here. Into $OUT (or /tmp/flashgdn-gpu) go three files,
@@ -319,6 +320,28 @@ if has ncu; then
   $PY bench/ncu_stalls.py "$LOG/ncu.csv" --top 12 >"$LOG/ncu-summary.txt" 2>&1
   cat "$LOG/ncu-summary.txt"
   note "ncu stalls, ${NCU_KERNEL:-fused_bwd}" "$(sed -n 2,4p "$LOG/ncu-summary.txt" | tr -s ' ' | tr '\n' ';') ($((SECONDS - t0)) s)"
+fi
+
+if has timeline; then
+  # The fused walk's per-role stage timeline (csrc/sm90/bwd_fused_timeline.cuh): a build of its own
+  # with -DFLASHGDN_WALK_TIMELINE=ON (build-timeline/), flashgdn_run's backward at TL_HEADS (default
+  # 16/64) on one TL_T-token sequence (default 8192), CP off (CTA (0, 0, 0) walks the whole
+  # sequence), `default` unless TL_PRECISION; the table it prints to stderr. Not in the default steps.
+  t0=$SECONDS
+  tl_heads=${TL_HEADS:-16/64}
+  if cmake -S . -B build-timeline -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHGDN_WALK_TIMELINE=ON \
+      -DFLASHGDN_TESTS=OFF >"$LOG/timeline-build.log" 2>&1 &&
+      cmake --build build-timeline -j"$(nproc)" --target flashgdn_run >>"$LOG/timeline-build.log" 2>&1; then
+    LD_LIBRARY_PATH=$PWD/build-timeline build-timeline/flashgdn_run --device cuda --T "${TL_T:-8192}" \
+      --Hq "${tl_heads%/*}" --Hv "${tl_heads#*/}" --backward 1 --check 0 --cp off --iters 3 \
+      --precision "${TL_PRECISION:-default}" >"$LOG/timeline-run.log" 2>"$LOG/timeline.md"
+    cat "$LOG/timeline.md"
+    note "walk timeline, $tl_heads 1x${TL_T:-8192} ${TL_PRECISION:-default}" \
+      "$(grep -E '^chunk period' "$LOG/timeline.md" | cut -c1-40) ($((SECONDS - t0)) s)"
+  else
+    tail -20 "$LOG/timeline-build.log"
+    note "walk timeline" "build failed ($((SECONDS - t0)) s)"
+  fi
 fi
 
 echo

@@ -1,7 +1,7 @@
 // Backward at `fast` and `default` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128,
 // bf16:
 //   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu: the forward's `fast` kernel at
-//               `fast`, its `high` one at `default`)
+//               both levels), or the ones the forward saved under autograd
 //   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
 //               bf16 in slot layout (zero past the length), K K^T once, then per value head c
 //               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
@@ -164,6 +164,10 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
     K.phase = 0;
     kernel<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
+    // A diagnostic build's table (bwd_fused_timeline.cuh): CTA (0, 0, 0) walks sequence 0's first
+    // segment (dense: the chunks of a row, or seg_chunks of them under reverse CP).
+    const int64_t row_chunks = (P.seq.T + 63) / 64;
+    fk::report_walk_timeline(s, P.seq.varlen ? 0 : F.seg_chunks > 0 ? std::min<int64_t>(F.seg_chunks, row_chunks) : row_chunks);
   }
   if (slots > 0) launch_fused_reduce(P, F, s);
 }

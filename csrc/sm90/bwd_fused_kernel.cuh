@@ -27,6 +27,7 @@
 #include "sm90/bwd_fused_frag.cuh"
 #include "sm90/bwd_fused_params.h"
 #include "sm90/bwd_fused_scheduler.cuh"
+#include "sm90/bwd_fused_timeline.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/tma.h"
 #include "sm90/wgmma.cuh"
@@ -119,6 +120,7 @@ struct alignas(1024) Smem {
 // unrolled, so the table folds to the waits themselves.
 template <int kRole>
 __device__ __forceinline__ void wait_stage(Smem& S, int s, int i) {
+  stamp(kRole, i, s, WalkTimeline::kWaitBegin);
 #pragma unroll
   for (int y = 0; y < kComputeWarpgroups; ++y) {
     const int w = stage_wait(s, kRole, y);
@@ -137,10 +139,12 @@ __device__ __forceinline__ void wait_stage(Smem& S, int s, int i) {
         S.freed[j - 1].wait(i & 1);
       }
     }
+  stamp(kRole, i, s, WalkTimeline::kWaitEnd);
 }
 // Role kRole has ended stage s (its every thread arrives: a release of what it wrote).
 template <int kRole>
-__device__ __forceinline__ void end_stage(Smem& S, int s) {
+__device__ __forceinline__ void end_stage(Smem& S, int s, int i) {
+  stamp(kRole, i, s, WalkTimeline::kEnd);
   S.done[s][kRole].arrive();
 }
 // The three compute roles' rendezvous at the walk's start (kBarStart).
@@ -413,7 +417,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           mirror();
           fence_proxy_async();
         }
-        end_stage<kRoleC>(S, s);
+        end_stage<kRoleC>(S, s, i);
       }
     }
     const bool seeding = phase1 && !transfer;  // the last segment's: its start carry seeds seg - 1
@@ -581,7 +585,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         if (s == 15 && !transfer)  // P19: dK += dAs K
           mm128<0, 1, 4>(acc, [&](int k) { return kmaj(dd, S, S.t12, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t22, 64, k); },
                          true);
-        end_stage<kRoleD>(S, s);
+        end_stage<kRoleD>(S, s, i);
       }
     }
     // The epilogue: the walk's last chunk (chunk 0) dK, once the store warp is done with out.
@@ -896,7 +900,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           }
           if ((tid & 127) < 64) P.dbeta[size_t(unit(n)) * 64 + (tid & 127)] = S.dbeta_R[tid & 127];
         }
-        end_stage<kRoleR>(S, s);
+        end_stage<kRoleR>(S, s, i);
       };
       each_stage(stage, std::make_integer_sequence<int, kStages>{});
     }
