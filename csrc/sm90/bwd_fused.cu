@@ -1,7 +1,8 @@
 // Backward at `fast` and `default` by the fused reverse kernel (bwd_fused_kernel.cuh), K = V = 128,
 // bf16:
 //   1. states   chunk-start states h, bf16 (chunk_bwd_state.cu: the forward's `fast` kernel at
-//               both levels), or the ones the forward saved under autograd
+//               `fast`, its split-states kernel at `default`), or the ones the forward saved
+//               under autograd
 //   2. prep     per (chunk, q/k head): q, k normalised (with the in-kernel l2norm) and rounded to
 //               bf16 in slot layout (zero past the length), K K^T once, then per value head c
 //               and beta and Ar = (I + strict_lower(diag(beta) K K^T))^-1 from the bf16 keys, no
