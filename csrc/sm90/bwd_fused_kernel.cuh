@@ -485,6 +485,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 4) {  // P5: dR = Tb^T dVn (kF16Island: on fp16, then both tiles' scales undone); dv to out
+          role_sync(kBarD);  // every D warp's dVn rows in t21 (each warp's product reads them all)
           if constexpr (kF16Island) {
             mm128<1, 1, 4, __half>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
                                    [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
@@ -540,6 +541,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.dsm, 128, k); },
                          false);
         if (s == 8 && !transfer) {  // dK = e^{c_L - c} (.) dK~; dg's K~ term
+          role_sync(kBarD);  // the K copy in t22 (stage 6: another thread's 16-byte units) is whole
           float rs[2] = {0.f, 0.f};
           const float dec[2] = {fexp(c[63] - c[fr.r0]), fexp(c[63] - c[fr.r0 + 8])};
 #pragma unroll
@@ -697,6 +699,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
+          role_sync(kBarR);  // every R warp's rows of R in t22 (stage 4), which both products read whole
           if constexpr (kF16Island) {  // on the fp16 tiles, then their scales undone (one at a time: exact)
             mm64<0, 0, 8, __half>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); },
                                   [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, false);
@@ -724,6 +727,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 6 && !transfer) {  // P8: dP = dO Vn^T
+          role_sync(kBarR);  // every R warp's Vn rows in t21 (stage 5)
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.t21, 64, k); });
           mm_wait<0>(p);
         }
@@ -831,6 +835,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 12 && !transfer) {  // P15: X = Ar^T dAr, staged in t12; P17 (K K^T, stage 13's) issued behind it
+          role_sync(kBarR);  // every R warp's dAr rows in t13 (stage 11)
           mm64_issue<1, 1, 4>(x, [&](int k) { return mnmaj(dd, S, S.ar, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); });
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); });
           mm_wait<1>(x);
