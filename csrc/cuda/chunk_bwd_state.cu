@@ -76,9 +76,10 @@ void launch_bwd_states(const Problem& p, const fgdn_inputs& in, const BwdParams&
   // their output's rounding floor at `default` and `high`; the `fast` level takes the `fast`
   // kernel's states (0.65 ms less at 16/64 1x32768; dq 3.1e-3 -> 4.0e-3, dk 4.9e-3 -> 5.3e-3, dg
   // 3.8e-3 -> 4.6e-3: bench/NOTES.md, step 14), and so does the fused backward (bf16 h) at both of
-  // its levels: its 16-bit staging, not the states, sets its errors' scale, and with `fast` states
-  // they stay below the best peer's (results/h200-2026-11-29/default-fast-states.md: seed 7,
-  // `default`, dq 0.86x, dg 0.98x FlashQLA's; forward + backward 16/64 1x32768 -11%).
+  // its levels (forward + backward 16/64 1x32768 -11%: results/h200-2026-11-29/
+  // default-fast-states.md). Its 16-bit staging sets most of its errors' scale, but dg's largest
+  // term is the states': `default`'s dg is 1.08x FlashQLA's error in the side-by-side run
+  // (flashqla-side-by-side.md), 0.56x on `high` states.
   const bool fast = P.precision_fast != 0 || h16;
   const sm90::Precision level = fast ? sm90::Precision::kFast : sm90::Precision::kHigh;
   sm90::chunk_states(p, in, level, P.h, h16 ? FGDN_BFLOAT16 : FGDN_FLOAT32, first_row, fwd_workspace, s);

@@ -167,7 +167,8 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
     // A diagnostic build's table (bwd_fused_timeline.cuh): CTA (0, 0, 0) walks sequence 0's first
     // segment (dense: the chunks of a row, or seg_chunks of them under reverse CP).
     const int64_t row_chunks = (P.seq.T + 63) / 64;
-    fk::report_walk_timeline(s, P.seq.varlen ? 0 : F.seg_chunks > 0 ? std::min<int64_t>(F.seg_chunks, row_chunks) : row_chunks);
+    const int64_t walked = F.seg_chunks > 0 ? std::min<int64_t>(F.seg_chunks, row_chunks) : row_chunks;
+    fk::report_walk_timeline(s, P.seq.varlen ? 0 : walked);
   }
   if (slots > 0) launch_fused_reduce(P, F, s);
 }

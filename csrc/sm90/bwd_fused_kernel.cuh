@@ -85,6 +85,8 @@ __host__ __device__ constexpr int stage_wait(int s, int x, int y) {
 // The stage after which the producer reloads a tile (q, k, v, S0; Ar, dO; c, beta) waits for all
 // three roles to end it (fused_schedule.RELOADED_AFTER).
 constexpr int kReloadQkvS0 = 10, kReloadArDo = 13, kReloadGates = 14;
+static_assert(WalkTimeline::kStagesMax == kStages && WalkTimeline::kRoles == kComputeWarpgroups,
+              "bwd_fused_timeline.cuh's table has a row a stage and a column pair a role");
 // A named barrier of the three compute roles (384 threads): the walk's start, after the carry's
 // first mirror (the first chunk's waits on the chunk before are skipped).
 constexpr int kBarStart = 3;

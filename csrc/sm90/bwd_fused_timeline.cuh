@@ -18,6 +18,7 @@
 namespace flashgdn::sm90::fused_bwd {
 
 struct WalkTimeline {
+  // The walk's roles (C, D, R) and stages: bwd_fused_kernel.cuh asserts they match its own.
   static constexpr int kRoles = 3, kStagesMax = 16, kChunks = 32;
   enum Point { kWaitBegin = 0, kWaitEnd = 1, kEnd = 2, kPoints = 3 };
   unsigned long long t[kRoles][kChunks][kStagesMax][kPoints];
@@ -53,7 +54,6 @@ inline void report_walk_timeline([[maybe_unused]] cudaStream_t stream, [[maybe_u
     std::fprintf(stderr, "walk timeline: %d chunks in CTA (0, 0, 0), 4 or more needed\n", n);
     return;
   }
-  const char* names[WalkTimeline::kRoles] = {"C", "D", "R"};
   std::fprintf(stderr, "\nwalk timeline (clock64 cycles, mean over chunks 2 .. %d of CTA (0, 0, 0))\n\n", n - 1);
   std::fprintf(stderr, "| stage | C waits | C works | D waits | D works | R waits | R works |\n|---|---|---|---|---|---|---|\n");
   double total[WalkTimeline::kRoles][2] = {};
@@ -79,9 +79,9 @@ inline void report_walk_timeline([[maybe_unused]] cudaStream_t stream, [[maybe_u
   double period = 0;
   for (int i = 2; i + 1 < n; ++i)
     period += static_cast<double>(h.t[0][i + 1][0][WalkTimeline::kWaitBegin] - h.t[0][i][0][WalkTimeline::kWaitBegin]);
-  std::fprintf(stderr, "\n\nchunk period %.0f cycles (role %s's stage-0 arrivals); a role's waits and work add up to\n"
+  std::fprintf(stderr, "\n\nchunk period %.0f cycles (role C's stage-0 arrivals); a role's waits and work add up to\n"
                "it less the time it spends between stages (the full barriers, the loop)\n",
-               period / (n - 3), names[0]);
+               period / (n - 3));
 #endif
 }
 
