@@ -15,6 +15,8 @@
 # FLA for the tests that route FLA's chunk_gated_delta_rule to flashgdn (the device has no package
 # registry): carry .whl/fla, made by scripts/fetch_fla_wheel.sh; without it those tests skip.
 # PYTEST_STOP= (empty) runs the whole Python GPU suite past a failure (default -x: stop at the first).
+# sanitize: SANITIZE_FILTER (gtest filter, default DEFAULT_SANITIZE below), SANITIZE_TOOLS (default
+# "memcheck racecheck synccheck initcheck").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashgdn-gpu}
@@ -100,7 +102,7 @@ if has pytest; then
 fi
 
 if has sanitize; then
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
       "$BUILD/flashgdn_tests" --gtest_brief=1 --gtest_filter="${SANITIZE_FILTER:-$DEFAULT_SANITIZE}" \
       >"$LOG/sanitize-$tool.log" 2>&1

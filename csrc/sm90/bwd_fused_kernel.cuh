@@ -87,9 +87,6 @@ __host__ __device__ constexpr int stage_wait(int s, int x, int y) {
 constexpr int kReloadQkvS0 = 10, kReloadArDo = 13, kReloadGates = 14;
 static_assert(WalkTimeline::kStagesMax == kStages && WalkTimeline::kRoles == kComputeWarpgroups,
               "bwd_fused_timeline.cuh's table has a row a stage and a column pair a role");
-// A named barrier of the three compute roles (384 threads): the walk's start, after the carry's
-// first mirror (the first chunk's waits on the chunk before are skipped).
-constexpr int kBarStart = 3;
 // full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
 constexpr uint32_t kFull0Arrivals = kElectedLaneArrivals;
 constexpr uint32_t kFull1Arrivals = 2 * kElectedLaneArrivals;
@@ -115,6 +112,7 @@ struct alignas(1024) Smem {
   Mbarrier done[kStages][kComputeWarpgroups];  // done[s][role]: the role ended stage s
   Mbarrier freed[3];                           // freed[j]: the store warp shipped out_written(j)'s out
   Mbarrier full0, full1;
+  Mbarrier start;  // the compute roles' rendezvous at the walk's start (start_sync)
 };
 
 // Role kRole before stage s of chunk i: the waits kStageWaits names, and where the stage writes
@@ -149,9 +147,14 @@ __device__ __forceinline__ void end_stage(Smem& S, int s, int i) {
   stamp(kRole, i, s, WalkTimeline::kEnd);
   S.done[s][kRole].arrive();
 }
-// The three compute roles' rendezvous at the walk's start (kBarStart).
-__device__ __forceinline__ void start_sync() {
-  asm volatile("bar.sync %0, %1;" ::"n"(kBarStart), "n"(kComputeWarpgroups * kWarpgroupThreads) : "memory");
+// The three compute roles' rendezvous at the walk's start, after the carry's first mirror (the
+// first chunk's waits on the chunk before are skipped): an mbarrier of all their threads. A named
+// barrier (bar.sync 3, 384) there drew compute-sanitizer synccheck's "divergent thread(s)" report
+// on R's last warp and the tool aborted the kernel (H200, 2026-11-29), as the forward's kGateNorm
+// barrier did before it became an mbarrier (docs/reliability.md).
+__device__ __forceinline__ void start_sync(Smem& S) {
+  S.start.arrive();
+  S.start.wait(0);
 }
 // All three roles have ended stage s of chunk i (the producer, before it reloads a tile).
 __device__ __forceinline__ void wait_all_roles(Smem& S, int s, int i) {
@@ -239,6 +242,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   if (tid >= kDone && tid < kDone + 3) S.freed[tid - kDone].init(kStoreWarpArrivals);
   if (tid == kDone + 3) S.full0.init(kFull0Arrivals);
   if (tid == kDone + 4) S.full1.init(kFull1Arrivals);
+  if (tid == kDone + 5) S.start.init(kComputeWarpgroups * kWarpgroupThreads);
   fence_barrier_init();
   if (zero_do) {  // dO stays zero: the producer loads none
     for (int j = tid; j < int(kTile / 16); j += kThreads) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
@@ -376,7 +380,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     };
     mirror();  // dS at the sequence's end, before stage 1 of the first chunk reads it
     fence_proxy_async();
-    start_sync();
+    start_sync(S);
     for (int i = 0; i < N; ++i) {
       const uint32_t ph = i & 1;
       S.full0.wait(ph);
@@ -444,7 +448,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
 #pragma unroll
         for (int e = 0; e < 32; e += 2) fst2(tile, fr, e, acc[hf][e], acc[hf][e + 1], hf);
     };
-    start_sync();
+    start_sync(S);
     for (int i = 0; i < N; ++i) {
       const uint32_t ph = i & 1;
       S.full0.wait(ph);
@@ -487,6 +491,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 4) {  // P5: dR = Tb^T dVn (kF16Island: on fp16, then both tiles' scales undone); dv to out
+          role_sync(kBarD);  // every D warp's dVn rows in t21 (each warp's product reads them all)
           if constexpr (kF16Island) {
             mm128<1, 1, 4, __half>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
                                    [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
@@ -542,6 +547,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           mm128<0, 0, 8>(acc, [&](int k) { return kmaj(dd, S, S.t21, 64, k); }, [&](int k) { return kmaj(dd, S, S.dsm, 128, k); },
                          false);
         if (s == 8 && !transfer) {  // dK = e^{c_L - c} (.) dK~; dg's K~ term
+          role_sync(kBarD);  // the K copy in t22 (stage 6: another thread's 16-byte units) is whole
           float rs[2] = {0.f, 0.f};
           const float dec[2] = {fexp(c[63] - c[fr.r0]), fexp(c[63] - c[fr.r0 + 8])};
 #pragma unroll
@@ -606,7 +612,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     const Descs dd_role = descs(S);
     const Frag fr = frag();
     float p[32], x[32], wide[2][32];
-    start_sync();
+    start_sync(S);
     for (int i = 0; i < N; ++i) {
       const uint32_t ph = i & 1;
       const int n = N - 1 - i;
@@ -631,7 +637,6 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
                                  [&](int k) { return mnmaj(dd, S, S.s0, 128, k); });
             mm_wait<1>(p);
           }
-          if ((tid & 127) < 64) S.dc_R[tid & 127] = 0.f;
         }
         if (s == 1) {  // P staged: t11 = scale lower(P) (.) Gam
           const FragVec cf = frag_vec(c, fr.r0, fr.cq);
@@ -699,6 +704,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 5 && !transfer) {  // P6: dT~ = dVn R^T; P7: Vn = Tb R, staged in t21
+          role_sync(kBarR);  // every R warp's rows of R in t22 (stage 4), which both products read whole
           if constexpr (kF16Island) {  // on the fp16 tiles, then their scales undone (one at a time: exact)
             mm64<0, 0, 8, __half>(x, [&](int k) { return kmaj(dd, S, S.t21, 64, k); },
                                   [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, false);
@@ -726,6 +732,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 6 && !transfer) {  // P8: dP = dO Vn^T
+          role_sync(kBarR);  // every R warp's Vn rows in t21 (stage 5)
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.dO, 64, k); }, [&](int k) { return kmaj(dd, S, S.t21, 64, k); });
           mm_wait<0>(p);
         }
@@ -779,7 +786,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             rs[j] = quad_sum(rs[j]);
-            if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] += rs[j];
+            // The chunk's first write of dc_R (its row owners'): R's barriers at stages 5 and 6
+            // order it after the chunk before's reads at stage 15 by every R warp.
+            if ((lane & 3) == 0) S.dc_R[fr.r0 + 8 * j] = rs[j];
           }
           role_sync(kBarR);  // column partials written
           if ((tid & 127) < 64) {
@@ -807,6 +816,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
                 wide[hf][e] *= f;
                 rs[(e >> 1) & 1] += wide[hf][e] * qv;
               }
+            role_sync(kBarR);  // dc_R's column terms (stage 7, warps 0-1) added before these rows' are
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               rs[j] = quad_sum(rs[j]);
@@ -828,11 +838,13 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           fence_proxy_async();
         }
         if (s == 11 && !transfer) {  // dAr staged in t13
+          role_sync(kBarR);  // warps 0-1 have read stage 7's column partials from t13
 #pragma unroll
           for (int e = 0; e < 32; e += 2) fst2(S.t13, fr, e, x[e], x[e + 1]);
           fence_proxy_async();
         }
         if (s == 12 && !transfer) {  // P15: X = Ar^T dAr, staged in t12; P17 (K K^T, stage 13's) issued behind it
+          role_sync(kBarR);  // every R warp's dAr rows in t13 (stage 11)
           mm64_issue<1, 1, 4>(x, [&](int k) { return mnmaj(dd, S, S.ar, 64, k); }, [&](int k) { return mnmaj(dd, S, S.t13, 64, k); });
           mm64_issue<0, 0, 8>(p, [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, [&](int k) { return kmaj(dd, S, S.t22, 64, k); });
           mm_wait<1>(x);
