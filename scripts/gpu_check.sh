@@ -54,8 +54,11 @@ tree_id() {
   rm -f "$idx"
 }
 # Small shapes that together reach every kernel and path: varlen with empty and one-token
-# sequences, GVA, pools with a negative index, V-major states, checkpoints, l2norm, gate in kernel.
-DEFAULT_SANITIZE='Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:Cuda*state_indices*:Cuda*checkpoints_64*'
+# sequences, GVA, pools with a negative index, V-major states, checkpoints, l2norm, gate in kernel;
+# the fused backward (bf16, K = V = 128, `default` and `fast`: T65_Hq4, GVA16_64, fast_T1000), which
+# the filters before 2026-11-29 reached with one case or none (bench/results/h200-2026-11-29/
+# fused-sanitize.md). initcheck reports the reduce reading the tiles the walk stores by TMA.
+DEFAULT_SANITIZE='Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:Cuda*GVA16_64_T130_D128*:Cuda*fast_T1000_Hq1_Hv2_D128*:Cuda*state_indices*:Cuda*checkpoints_64*'
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG/gpu.txt"
