@@ -58,8 +58,8 @@ tree_id() {
 # the fused backward (bf16, K = V = 128, `default` and `fast`: T65_Hq4, GVA16_64, fast_T1000), which
 # the filters before 2026-11-29 reached with one case or none (bench/results/h200-2026-11-29/
 # fused-sanitize.md). initcheck reports the reduce reading the tiles the walk stores by TMA.
-DEFAULT_SANITIZE='Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:Cuda*GVA16_64_T130_D128*:Cuda*fast_T1000_Hq1_Hv2_D128*:Cuda*state_indices*:Cuda*checkpoints_64*'
 FUSED_SANITIZE='Cuda/CudaBackwardCase*T65_Hq4*:Cuda/CudaBackwardCase*GVA16_64_T130_D128*:Cuda/CudaBackwardCase*fast_T1000_Hq1_Hv2_D128*'
+DEFAULT_SANITIZE="Cuda*all_options*:Cuda*varlen_edge*:Cuda*varlen_gate_in_kernel*:Cuda*varlen_pool_vfirst*:Cuda*GVA2_8_B2*:Cuda*T65_Hq4*:$FUSED_SANITIZE:Cuda*state_indices*:Cuda*checkpoints_64*"
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG/gpu.txt"
