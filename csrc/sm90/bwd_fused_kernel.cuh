@@ -46,10 +46,12 @@ enum Role : int { kRoleC = 0, kRoleD = 1, kRoleR = 2 };
 // out_written(j)'s writer: dK and dv the D role's, dq the R role's.
 __host__ __device__ constexpr int out_writer(int j) { return j == 2 ? kRoleR : kRoleD; }
 // Who arrives where: a role's 128 threads on its own stage barriers (done[s][role]), when it ends
-// stage s; the producer's store warp (all lanes) on freed[j] once `out` is shipped the j-th time in
-// a chunk; one elected lane of the producer's load warp (arrive_expect_tx) and of its (c, beta)
-// warp on the full barriers.
-constexpr uint32_t kStoreWarpArrivals = 32, kElectedLaneArrivals = 1;
+// stage s and someone waits for that (stage_awaited); the producer's store warp (all lanes) on
+// freed[j] once `out` is shipped the j-th time in a chunk; one elected lane of the producer's load
+// warp (arrive_expect_tx) on the full barriers, and every lane of its (c, beta) warp on full1 (each
+// lane's own arrival releases the gate values it stored: compute-sanitizer racecheck does not
+// carry one lane's release over a warp barrier to the lanes before it).
+constexpr uint32_t kStoreWarpArrivals = 32, kElectedLaneArrivals = 1, kGateWarpArrivals = 32;
 constexpr uint32_t kRoleArrivals = kWarpgroupThreads;
 // Before stage s, role X waits on role Y's barrier done[t][Y] where stage_wait(s, X, Y) is t (Y
 // has ended stage t of this chunk) or kStages + t (of the chunk before: none on the walk's first
@@ -85,11 +87,21 @@ __host__ __device__ constexpr int stage_wait(int s, int x, int y) {
 // The stage after which the producer reloads a tile (q, k, v, S0; Ar, dO; c, beta) waits for all
 // three roles to end it (fused_schedule.RELOADED_AFTER).
 constexpr int kReloadQkvS0 = 10, kReloadArDo = 13, kReloadGates = 14;
+// Whether anyone waits on done[t][y]: a role before one of its stages (stage_wait: t of this chunk
+// or of the chunk before), the store warp before it ships `out`, the producer before a reload.
+__host__ __device__ constexpr bool stage_awaited(int t, int y) {
+  for (int s = 0; s < kStages; ++s)
+    for (int x = 0; x < kComputeWarpgroups; ++x)
+      if (stage_wait(s, x, y) == t || stage_wait(s, x, y) == t + kStages) return true;
+  for (int j = 0; j < 3; ++j)
+    if (out_written(j) == t && out_writer(j) == y) return true;
+  return t == kReloadQkvS0 || t == kReloadArDo || t == kReloadGates;
+}
 static_assert(WalkTimeline::kStagesMax == kStages && WalkTimeline::kRoles == kComputeWarpgroups,
               "bwd_fused_timeline.cuh's table has a row a stage and a column pair a role");
-// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's arrival.
+// full0: the load warp's arrive_expect_tx; full1: that and the (c, beta) warp's 32 lanes.
 constexpr uint32_t kFull0Arrivals = kElectedLaneArrivals;
-constexpr uint32_t kFull1Arrivals = 2 * kElectedLaneArrivals;
+constexpr uint32_t kFull1Arrivals = kElectedLaneArrivals + kGateWarpArrivals;
 // Named barriers of one role (bar.sync id, a warpgroup's 128 threads; 0 is __syncthreads').
 constexpr int kBarR = 1, kBarD = 2;
 constexpr uint32_t kLoad0 = 3 * kTile + kState;        // q, k, v, S0 (reloaded after stage 10)
@@ -141,11 +153,14 @@ __device__ __forceinline__ void wait_stage(Smem& S, int s, int i) {
     }
   stamp(kRole, i, s, WalkTimeline::kWaitEnd);
 }
-// Role kRole has ended stage s (its every thread arrives: a release of what it wrote).
+// Role kRole has ended stage s (its every thread arrives: a release of what it wrote), where
+// someone waits for that: an mbarrier phase that completes and is never waited on before the next
+// one's arrivals is compute-sanitizer synccheck's "Missing wait" (docs/reliability.md D9), and the
+// arrival has no reader. s is a constant in every caller (the stages are unrolled).
 template <int kRole>
 __device__ __forceinline__ void end_stage(Smem& S, int s, int i) {
   stamp(kRole, i, s, WalkTimeline::kEnd);
-  S.done[s][kRole].arrive();
+  if (stage_awaited(s, kRole)) S.done[s][kRole].arrive();
 }
 // The three compute roles' rendezvous at the walk's start, after the carry's first mirror (the
 // first chunk's waits on the chunk before are skipped): an mbarrier of all their threads. A named
@@ -320,8 +335,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         const float4 v = reinterpret_cast<const float4*>(gv(i))[lane];
         if (i > 0) wait_all_roles(S, kReloadGates, i - 1);
         reinterpret_cast<float4*>(S.c)[lane] = v;
-        __syncwarp();
-        if (lane == 0) S.full1.arrive();
+        S.full1.arrive();
       }
     } else if (warp == 1) {
       for (int i = 0; i < N; ++i) {
