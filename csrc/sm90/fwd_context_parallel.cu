@@ -861,8 +861,7 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
         mma_m16n8k8_tf32(d, abig, b0, b1);
       }
     }
-    __syncwarp();
-    if (lane == 0) sm.m_empty[b].arrive();  // this warp's reads of buffer b are done
+    sm.m_empty[b].arrive();  // this thread's reads of buffer b are done (each its own release: racecheck)
     ++fills;
     lo = make_float2(d[0] + (e1[0] + e2[0]), d[1] + (e1[1] + e2[1]));
     hi = make_float2(d[2] + (e1[2] + e2[2]), d[3] + (e1[3] + e2[3]));
@@ -887,7 +886,7 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
   if (threadIdx.x == 0) {
     for (int b = 0; b < 2; ++b) {
       sm.m_full[b].init(32);                   // the copy warp's lanes
-      sm.m_empty[b].init(Tr::kComputeWarps);  // a lane of each compute warp
+      sm.m_empty[b].init(Tr::kComputeThreads);  // every compute thread
     }
   }
   __syncthreads();
