@@ -625,7 +625,10 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     chain();
     const Descs dd_role = descs(S);
     const Frag fr = frag();
-    float p[32], x[32], wide[2][32];
+    // gm: the decay mask Gam (e^{c_r - c_col}, r >= col) at the thread's 32 elements, computed once
+    // a chunk at stage 1 and read at stages 1, 2 and 7 (each computed it before: 96 exponentials a
+    // chunk, and R's instruction fetch is its largest stall, ncu-fused.md).
+    float p[32], x[32], wide[2][32], gm[32];
     start_sync(S);
     for (int i = 0; i < N; ++i) {
       const uint32_t ph = i & 1;
@@ -652,25 +655,23 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
             mm_wait<1>(p);
           }
         }
-        if (s == 1) {  // P staged: t11 = scale lower(P) (.) Gam
+        if (s == 1) {  // Gam; P staged: t11 = scale lower(P) (.) Gam
           const FragVec cf = frag_vec(c, fr.r0, fr.cq);
 #pragma unroll
-          for (int e = 0; e < 32; e += 2) {
-            const int r = frow(fr, e), col = fcol(fr, e);
-            fst2(S.t11, fr, e, scale * p[e] * gam_at(cf, e, r, col), scale * p[e + 1] * gam_at(cf, e + 1, r, col + 1));
-          }
+          for (int e = 0; e < 32; ++e) gm[e] = gam_at(cf, e, frow(fr, e), fcol(fr, e));
+#pragma unroll
+          for (int e = 0; e < 32; e += 2) fst2(S.t11, fr, e, scale * p[e] * gm[e], scale * p[e + 1] * gm[e + 1]);
           fence_proxy_async();
         }
         if (s == 2) {  // Tb staged: t12 = Gam (.) Ar diag(beta) (kF16Island: fp16, scaled), while P4 runs
-          const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
+          const FragVec bf = frag_vec(beta, fr.r0, fr.cq);
           if constexpr (kF16Island) {  // Tb in x (free until P6 writes it at stage 5) until its scale is known
             float m = 0.f;
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
-              const int r = frow(fr, e), col = fcol(fr, e);
               const float2 a = fld2(S.ar, fr, e);
-              x[e] = gam_at(cf, e, r, col) * a.x * col_of(bf, e);
-              x[e + 1] = gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1);
+              x[e] = gm[e] * a.x * col_of(bf, e);
+              x[e + 1] = gm[e + 1] * a.y * col_of(bf, e + 1);
               m = fmaxf(m, fmaxf(fabsf(x[e]), fabsf(x[e + 1])));
             }
             const Pow2Scale st = role_scale(m, S.amax_tb, kBarR);
@@ -679,10 +680,8 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           } else {
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
-              const int r = frow(fr, e), col = fcol(fr, e);
               const float2 a = fld2(S.ar, fr, e);
-              fst2(S.t12, fr, e, gam_at(cf, e, r, col) * a.x * col_of(bf, e),
-                   gam_at(cf, e + 1, r, col + 1) * a.y * col_of(bf, e + 1));
+              fst2(S.t12, fr, e, gm[e] * a.x * col_of(bf, e), gm[e + 1] * a.y * col_of(bf, e + 1));
             }
           }
           fence_proxy_async();
@@ -757,7 +756,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           // Each thread reads and overwrites only its own elements of t11 (the staged P, then dP): dP
           // is written as each pair is done. Column sums a block of eight columns at a time.
           float rs[2] = {0.f, 0.f};
-          const FragVec cf = frag_vec(c, fr.r0, fr.cq), bf = frag_vec(beta, fr.r0, fr.cq);
+          const FragVec bf = frag_vec(beta, fr.r0, fr.cq);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             float cs[2], cb[2];  // columns 8 j + 2 q + b, b = 0, 1: over the thread's two rows
@@ -770,17 +769,16 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
               for (int b = 0; b < 2; ++b) {
                 const int e = e0 + b;
                 const int r = frow(fr, e), col = fcol(fr, e);
-                const float gm = gam_at(cf, e, r, col);
                 const float pp = (r >= col ? p[e] : 0.f) * (b ? pst2.y : pst2.x);
-                const float t = gm * (b ? ar2.y : ar2.x);
+                const float t = gm[e] * (b ? ar2.y : ar2.x);
                 const float dt = x[e] * col_of(bf, e);
                 const float tt = r > col ? dt * t : 0.f;
                 rs[hi] += pp + tt;
                 // Column terms: -pp - tt for dg, dtb (.) t for dbeta.
                 cs[b] = hi ? cs[b] - (pp + tt) : -(pp + tt);
                 cb[b] = hi ? cb[b] + x[e] * t : x[e] * t;
-                p[e] = scale * (r >= col ? p[e] : 0.f) * gm;  // dP
-                x[e] = r > col ? dt * gm : 0.f;               // dAr (register)
+                p[e] = scale * (r >= col ? p[e] : 0.f) * gm[e];  // dP
+                x[e] = r > col ? dt * gm[e] : 0.f;               // dAr (register)
               }
               fst2(S.t11, fr, e0, p[e0], p[e0 + 1]);
             }
