@@ -5,12 +5,25 @@
     python3 bench/ncu_stalls.py walk.csv            # samples by stall reason, then the top sites
 
 --drive runs the forward + backward of one 32768-token sequence twice (the call ncu profiles);
-scripts/gpu_check.sh's `ncu` step runs both. A wait on an mbarrier shows as stall_long_sb on the
-branch after its SYNCS.PHASECHK (try_wait); the site's preceding instructions name the barrier.
+scripts/gpu_check.sh's `ncu` step runs both and keeps the walk's cubin (walk.cubin in its logs). A
+wait on an mbarrier shows as stall_long_sb on the branch after its SYNCS.PHASECHK (try_wait); the
+site's preceding instructions name the barrier.
+
+By role and stage of the fused walk (which stage's code the samples fall in, and why):
+
+    nvdisasm -g -gi -c walk.cubin > walk.sass
+    python3 bench/ncu_stalls.py walk.csv --sass walk.sass [--source csrc/sm90/bwd_fused_kernel.cuh]
+
+Each instruction's line table (innermost first) names the first line of the kernel source inside a
+role's branch (`// ---- producer`, `// ---- C:`, `// ---- D:`, `// ---- R:`); the stage is the last
+`if (s == N` above that line in the branch ("-": before the first, the role's waits and loop).
+The source must be the tree the cubin was built from (its line numbers).
 """
 import argparse
 import collections
 import csv
+import os
+import re
 import sys
 
 
@@ -60,14 +73,99 @@ def summarize(path: str, top: int) -> None:
         print(f"  {r[0]} {k:7d} {100 * k / n:5.1f}% {why:18s} {r[1].strip()[:60]}{barrier}")
 
 
+def read_rows(path: str):
+    with open(path, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith('"')]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith('"Address"'))
+    hdr = next(csv.reader([lines[start]]))
+    return hdr, [r for r in csv.reader(lines[start + 1:]) if len(r) == len(hdr)]
+
+
+def line_tables(sass_path: str, function: str) -> dict:
+    """Offset in `function` -> [(file, line), ...] innermost first, from nvdisasm -g -gi."""
+    tables, chain, in_fn, after_note = {}, [], False, False
+    with open(sass_path, encoding="utf-8") as f:
+        for ln in f:
+            if ln.startswith(".text."):
+                in_fn = function in ln
+                continue
+            if not in_fn:
+                continue
+            if "//##" in ln:
+                chain = (chain if after_note else []) + re.findall(r'File "([^"]+)", line (\d+)', ln)
+                after_note = True
+                continue
+            after_note = False
+            m = re.search(r"/\*([0-9a-f]{4,})\*/\s", ln)
+            if m:
+                tables[int(m.group(1), 16)] = chain
+    return tables
+
+
+def stage_map(source: str) -> dict:
+    """Kernel source line -> (role, stage) inside the roles' branches."""
+    text = open(source, encoding="utf-8").read().splitlines()
+    where, role, stage = {}, None, "-"
+    for n, ln in enumerate(text, 1):
+        m = re.search(r"// ---- (producer|[CDR]):", ln)
+        if m:
+            role, stage = m.group(1)[0].upper(), "-"
+        elif role == "R" and ln.startswith("  }"):
+            role = None  # the walk's end
+        m = re.search(r"if \(s == (\d+)", ln)
+        if role and m:
+            stage = int(m.group(1))
+        if role:
+            where[n] = (role, stage)
+    return where
+
+
+def by_stage(path: str, sass_path: str, source: str, function: str) -> None:
+    hdr, rows = read_rows(path)
+    ix = {h: i for i, h in enumerate(hdr)}
+    reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    tables, where = line_tables(sass_path, function), stage_map(source)
+    name = os.path.basename(source)
+    base = min(int(r[ix["Address"]], 16) for r in rows)
+    agg, count = collections.defaultdict(collections.Counter), collections.Counter()
+    for r in rows:
+        lines = [int(n) for f, n in tables.get(int(r[ix["Address"]], 16) - base, []) if f.endswith(name)]
+        k = next((where[n] for n in lines if n in where), ("other", "-"))
+        count[k] += 1
+        for s in reasons:
+            agg[k][s] += int(r[ix[s]] or 0)
+    total = sum(sum(c.values()) for c in agg.values()) or 1
+    for role in "PCDR":
+        c = collections.Counter()
+        for k, v in agg.items():
+            if k[0] == role:
+                c.update(v)
+        n = sum(c.values()) or 1
+        why = ", ".join(f"{s[6:]} {100 * v / n:.0f}%" for s, v in c.most_common(6))
+        print(f"{role}: {100 * n / total:5.1f}% of samples, {sum(v for k, v in count.items() if k[0] == role)} "
+              f"instructions: {why}")
+    print(f"{'role, stage':12s} {'samples':>8s} {'share':>6s} {'instr':>6s}  top reasons")
+    for k, c in sorted(agg.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(c.values())
+        if n == 0:
+            continue
+        why = ", ".join(f"{s[6:]} {100 * v / n:.0f}%" for s, v in c.most_common(3))
+        print(f"{k[0] + ' ' + str(k[1]):12s} {n:8d} {100 * n / total:5.1f}% {count[k]:6d}  {why}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="?", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--drive", metavar="HQ/HV", help="run the profiled call instead")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--sass", help="nvdisasm -g -gi -c of the profiled kernel's cubin: group by role and stage")
+    ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", "csrc", "sm90", "bwd_fused_kernel.cuh"))
+    ap.add_argument("--function", default="fused_bwdILb1", help="the profiled instantiation's symbol (a substring)")
     a = ap.parse_args()
     if a.drive:
         drive(a.drive)
+    elif a.csv and a.sass:
+        by_stage(a.csv, a.sass, a.source, a.function)
     elif a.csv:
         summarize(a.csv, a.top)
     else:

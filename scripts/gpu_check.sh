@@ -330,6 +330,16 @@ if has ncu; then
     $PY bench/ncu_stalls.py --drive "${NCU_HEADS:-16/64}" >"$LOG/ncu.csv" 2>"$LOG/ncu.err"
   $PY bench/ncu_stalls.py "$LOG/ncu.csv" --top 12 >"$LOG/ncu-summary.txt" 2>&1
   cat "$LOG/ncu-summary.txt"
+  # The walk's cubin, for the samples by role and stage (bench/ncu_stalls.py --sass, nvdisasm here
+  # or on the CPU machine: the source lines must be this tree's).
+  cub=$(mktemp -d)
+  (cd "$cub" && cuobjdump -xelf all "$OLDPWD/$BUILD/libflashgdn.so" >/dev/null 2>&1)
+  cp "$cub"/bwd_fused*.cubin "$LOG/walk.cubin" 2>/dev/null
+  if command -v nvdisasm >/dev/null && [ -f "$LOG/walk.cubin" ]; then
+    nvdisasm -g -gi -c "$LOG/walk.cubin" >"$cub/walk.sass" 2>/dev/null &&
+      $PY bench/ncu_stalls.py "$LOG/ncu.csv" --sass "$cub/walk.sass" >"$LOG/ncu-stages.txt" 2>&1
+  fi
+  rm -rf "$cub"
   note "ncu stalls, ${NCU_KERNEL:-fused_bwd}" "$(sed -n 2,4p "$LOG/ncu-summary.txt" | tr -s ' ' | tr '\n' ';') ($((SECONDS - t0)) s)"
 fi
 
