@@ -44,12 +44,17 @@ def drive(heads: str) -> None:
     torch.cuda.synchronize()
 
 
-def summarize(path: str, top: int) -> None:
+def read_rows(path: str):
+    """The per-instruction table of an ncu CSV: its header and rows."""
     with open(path, encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines() if ln.startswith('"')]
     start = next(i for i, ln in enumerate(lines) if ln.startswith('"Address"'))
     hdr = next(csv.reader([lines[start]]))
-    rows = [r for r in csv.reader(lines[start + 1:]) if len(r) == len(hdr)]
+    return hdr, [r for r in csv.reader(lines[start + 1:]) if len(r) == len(hdr)]
+
+
+def summarize(path: str, top: int) -> None:
+    hdr, rows = read_rows(path)
     ix = {h: i for i, h in enumerate(hdr)}
     reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
     total = collections.Counter()
@@ -71,14 +76,6 @@ def summarize(path: str, top: int) -> None:
         polls = [rows[j][1].strip() for j in range(max(0, i - 3), i) if "SYNCS.PHASECHK" in rows[j][1]]
         barrier = f"  <- {polls[-1].split(',')[1].strip()}" if polls and "," in polls[-1] else ""
         print(f"  {r[0]} {k:7d} {100 * k / n:5.1f}% {why:18s} {r[1].strip()[:60]}{barrier}")
-
-
-def read_rows(path: str):
-    with open(path, encoding="utf-8") as f:
-        lines = [ln for ln in f.read().splitlines() if ln.startswith('"')]
-    start = next(i for i, ln in enumerate(lines) if ln.startswith('"Address"'))
-    hdr = next(csv.reader([lines[start]]))
-    return hdr, [r for r in csv.reader(lines[start + 1:]) if len(r) == len(hdr)]
 
 
 def line_tables(sass_path: str, function: str) -> dict:
