@@ -59,19 +59,43 @@ template <int kRows = 64>
 __device__ __forceinline__ float fld(const bf16* tile, const Frag& f, int e, int blk = 0, int m = 0) {
   return (e & 1) ? fld2<kRows>(tile, f, e - 1, blk, m).y : fld2<kRows>(tile, f, e, blk, m).x;
 }
-// The transposed fragment of a 64 x 64 tile, as pairs: t[e / 2] = (tile[fcol(e)][frow(e)],
-// tile[fcol(e + 1)][frow(e + 1)]), e even, by four ldmatrix.x4.trans. Call k reads the 8 x 8
-// blocks of tile rows 8 j .. 8 j + 7 and columns 16 w + 8 hi .. + 7 for j = 2 k + (m >> 1), hi = m & 1
-// (matrix m; lane l gives row l % 8 of matrix l / 8); its register m is pair 4 k + m.
-__device__ __forceinline__ void fld_t_pairs(const bf16* tile, const Frag& f, uint32_t (&t)[16]) {
-  const int lane = threadIdx.x & 31, m = lane >> 3, rr = lane & 7, w = f.r0 >> 4;
-  const uint32_t base = smem_addr(tile) + rr * 128 + (((2 * w + (m & 1)) ^ rr) << 4) + (m >> 1) * 1024;
+// A 64 x 64 fp32 fragment through shared memory and back transposed, exactly: columns 0-31 in one
+// 8 KB tile (`lo`, 64 rows of 32 floats), 32-63 in another (`hi`). Row rho's floats are permuted by
+// t32_swz(rho) = 8 ((rho0 ^ rho1) + 2 (rho0 ^ rho2)) (its three low bits), which keeps a pair of
+// columns adjacent and makes both passes free of bank conflicts: the pair stores (a half-warp: four
+// rows, the pairs of four columns) and the transposed loads (a warp: eight rows, four columns).
+__device__ __forceinline__ int t32_swz(int rho) { return 8 * (((rho ^ (rho >> 1)) & 1) | ((((rho >> 2) ^ rho) & 1) << 1)); }
+// Stores: element pair e of row r = frow(e), columns 8 j + cq (+1): float offset r 32 + cq + (8 (j % 4)
+// ^ t32_swz(r)) in lo (j < 4) or hi (cq's bits 1-2 and the swizzle's bits 3-4 are disjoint, so the
+// XOR is on the block index alone). Loads: x[col][r] for col = 8 j + cq + b: col 32 + ((r % 32) ^
+// t32_swz(cq + b)) (the swizzle of col depends on its three low bits only), in lo if r < 32; 256 j
+// added as an immediate.
+__device__ __forceinline__ void fst_f32(float* lo, float* hi, const Frag& f, const float (&x)[32]) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    uint32_t r[4];
-    ldmatrix_x4_trans(r, base + k * 2048);
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const int r = f.r0 + 8 * r2, sw = t32_swz(r);
+    float* const row_lo = lo + r * 32 + f.cq;
+    float* const row_hi = hi + r * 32 + f.cq;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) t[4 * k + i] = r[i];
+    for (int j = 0; j < 8; ++j) {
+      const int e = 4 * j + 2 * r2;
+      float* const row = j < 4 ? row_lo : row_hi;
+      *reinterpret_cast<float2*>(row + ((8 * (j & 3)) ^ sw)) = make_float2(x[e], x[e + 1]);
+    }
+  }
+}
+// The thread's fragment of the transpose, t[e] = x[fcol(e)][frow(e)].
+__device__ __forceinline__ void fld_t_f32(const float* lo, const float* hi, const Frag& f, float (&t)[32]) {
+  const float* const half = f.r0 < 32 ? lo : hi;  // rows r0 and r0 + 8 are in one half (r0 % 16 < 8)
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int sw = t32_swz(f.cq + b);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const float* const base = half + (f.cq + b) * 32 + (((f.r0 + 8 * r2) & 31) ^ sw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) t[4 * j + 2 * r2 + b] = base[256 * j];
+    }
   }
 }
 template <int kRows = 64>

@@ -884,24 +884,14 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
             rs[j] = quad_sum(rs[j]);
             if ((lane & 3) == 0) S.dbeta_R[fr.r0 + 8 * j] += rs[j];
           }
-          // dkk's transpose through shared memory as hi + lo bf16 halves (t13 and t11, free now).
-#pragma unroll
-          for (int e = 0; e < 32; e += 2) {
-            const float h0 = __bfloat162float(__float2bfloat16_rn(x[e]));
-            const float h1 = __bfloat162float(__float2bfloat16_rn(x[e + 1]));
-            fst2(S.t13, fr, e, h0, h1);
-            fst2(S.t11, fr, e, x[e] - h0, x[e + 1] - h1);
-          }
+          // dkk's transpose through shared memory in fp32, exact (t11: columns 0-31, t13: 32-63; free now).
+          float* const tlo = reinterpret_cast<float*>(S.t11);
+          float* const thi = reinterpret_cast<float*>(S.t13);
+          fst_f32(tlo, thi, fr, x);
           role_sync(kBarR);
-          uint32_t th[16], tl[16];
-          fld_t_pairs(S.t13, fr, th);
-          fld_t_pairs(S.t11, fr, tl);
+          fld_t_f32(tlo, thi, fr, p);  // into p: P17 (K K^T) is spent (dbeta's A0 term above)
 #pragma unroll
-          for (int e = 0; e < 32; e += 2) {
-            const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&th[e / 2]));
-            const float2 l = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&tl[e / 2]));
-            fst2(S.t12, fr, e, x[e] + h.x + l.x, x[e + 1] + h.y + l.y);
-          }
+          for (int e = 0; e < 32; e += 2) fst2(S.t12, fr, e, x[e] + p[e], x[e + 1] + p[e + 1]);
           fence_proxy_async();
         }
         if (s == 15 && !transfer) {  // dg by a reverse cumulative sum; dbeta out

@@ -263,13 +263,13 @@ def _dog(e):
     e["t23"] = e.rnd("dOg", g["scale"] * g["ec"][:, None] * e["dO"])
 
 
-@_op(14, "R", "dAs staged in t12 (dkk's transpose through t13, t11 as hi + lo); dbeta's A0 term",
+@_op(14, "R", "dAs staged in t12 (dkk's transpose through t11, t13 in fp32); dbeta's A0 term",
      ["R.x", "R.p", "gv", "dbeta_R", "t13", "t11"], ["t12", "t13", "t11", "dbeta_R"])
 def _das(e):
     da0, kk = e["R.x"], e["R.p"]
     e["dbeta_R"] = e["dbeta_R"] + (da0 * kk).sum(1)
     dkk = da0 * _g(e)["beta"][:, None]
-    e["t13"] = dkk  # (the kernel: bf16 hi part here, the lo part in t11; their sum is dkk to 2^-16)
+    e["t13"] = dkk  # (the kernel: columns 32-63 here in fp32, 0-31 in t11; the transpose is exact)
     e["t11"] = np.zeros_like(dkk)
     e["t12"] = e.rnd("dAs", dkk + e["t13"].T + e["t11"].T)
 
