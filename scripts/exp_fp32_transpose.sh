@@ -15,7 +15,7 @@ set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
 export OUT
-AB_ROWS=${AB_ROWS:-"16/64/32768 2/8/32768 16/64/8192"} AB_REPS=${AB_REPS:-1} \
+AB_ROWS=${AB_ROWS:-"16/64/32768 2/8/32768 16/64/8192"} AB_REPS=${AB_REPS:-1} AB_QK=${AB_QK:-"in_kernel prenormalized"} \
   SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck racecheck synccheck"} \
   SANITIZE_FILTER=${SANITIZE_FILTER:-'Cuda/CudaBackwardCase*D128*:CudaBackward.*'} \
   bash scripts/gpu_check.sh build,ab,sanitize,ncu 2>&1 | grep -E '^\| ' | tail -40

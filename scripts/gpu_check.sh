@@ -276,10 +276,13 @@ if has ab; then
       for row in ${AB_ROWS:-16/64/32768 2/8/32768}; do
         IFS=/ read -r hq hv tt <<<"$row"
         for pr in ${AB_LEVELS:-default fast}; do
-          for tree in base tree; do
-            line=$(ab_run $tree --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 --precision "$pr")
-            echo "$tree $pr $row rep $rep: $line" >>"$LOG/ab-times.log"
-            note "A/B ms, $tree ($([ $tree = base ] && echo "$base" || echo this tree)), $pr, $hq/$hv 1x$tt, rep $rep" "$line"
+          for qn in ${AB_QK:-in_kernel}; do  # the q/k conventions timed (in_kernel prenormalized)
+            for tree in base tree; do
+              line=$(ab_run $tree --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 \
+                --precision "$pr" --qk-norm "$qn")
+              echo "$tree $pr $qn $row rep $rep: $line" >>"$LOG/ab-times.log"
+              note "A/B ms, $tree ($([ $tree = base ] && echo "$base" || echo this tree)), $pr, q/k $qn, $hq/$hv 1x$tt, rep $rep" "$line"
+            done
           done
         done
       done
