@@ -88,6 +88,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       S * Hv * out_count * fk::kTile,          // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
+      S * Hq * 2 * C * 4,                      // row_scale
       2 * cp, cp,                              // maps, seeds
   };
   FusedLayout L{};

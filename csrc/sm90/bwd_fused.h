@@ -25,7 +25,7 @@ bool fused_backward_applies(const Problem& p);
 // call's partial chunk is at its row's end, where the map reads zeros). dv_direct: dv stored in
 // place, a packed sequence's tail through kDvTail (the reduce step copies its rows out).
 struct FusedLayout {
-  enum { kQ16, kK16, kV16, kDo16, kVTail, kDoTail, kDvTail, kGates, kAr, kOut, kDg, kDbeta, kBound, kMaps, kSeeds, kCount };
+  enum { kQ16, kK16, kV16, kDo16, kVTail, kDoTail, kDvTail, kGates, kAr, kOut, kDg, kDbeta, kBound, kRowScale, kMaps, kSeeds, kCount };
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
@@ -52,6 +52,8 @@ struct FusedBuffers {
   float* dg;                              // [slot Hv + h][64] (P.dc: the gate step reads it)
   float* dbeta;                           // [slot Hv + h][64]
   float* bound;                           // [slot Hv + h]: reverse CP's certificate (fused_bwd::Params)
+  float* row_scale;                       // [slot Hq + hq][2][64]: q's, k's 1 / ||x|| (l2norm; the
+                                          // prep's, for the reduce's norm backward)
   float *maps, *seeds;                    // reverse CP (FusedLayout::kMaps, kSeeds)
   int32_t seg_chunks, segments;
 };

@@ -242,6 +242,21 @@ __device__ __forceinline__ Pow2Scale pow2_scale(float m) {
 __device__ __forceinline__ Pow2Scale pow2_scale_of(const float* part) {
   return pow2_scale(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
 }
+// A product of two scaled tiles (their parts as pow2_scale_of's) has its scales undone by
+// a (.) i1 i2: by one multiply by f = i1 i2 (inv_scale_product) where f is a normal float
+// (normal_scale: exact, the value one scale at a time gives whenever a i1 is exact), else one scale
+// at a time (undo_scales_apart: f alone could leave the float range), the scales read again there
+// so that only f stays live. The scales are the CTA's: the caller's branch is uniform.
+__device__ __forceinline__ float inv_scale_product(const float* part1, const float* part2) {
+  return pow2_scale_of(part1).inv * pow2_scale_of(part2).inv;
+}
+__device__ __forceinline__ bool normal_scale(float f) { return f >= FLT_MIN && f <= FLT_MAX; }
+template <int N>
+__device__ __forceinline__ void undo_scales_apart(float (&a)[N], const float* part1, const float* part2) {
+  const float i1 = pow2_scale_of(part1).inv, i2 = pow2_scale_of(part2).inv;
+#pragma unroll
+  for (int e = 0; e < N; ++e) a[e] = a[e] * i1 * i2;
+}
 // The scale of a tile one role holds in its 128 threads' registers, each thread's largest magnitude
 // m: the warp's by shuffles, the four warps' through part[4] and the role's named barrier `bar`;
 // another role reads part after a stage barrier (pow2_scale_of).

@@ -509,12 +509,16 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
           if constexpr (kF16Island) {
             mm128<1, 1, 4, __half>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
                                    [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
-            // One scale at a time (exact): their product alone could leave the float range.
-            const float it = pow2_scale_of(S.amax_tb).inv, id = pow2_scale_of(S.amax_dvn).inv;
+            const float f = inv_scale_product(S.amax_tb, S.amax_dvn);  // the scales undone
+            if (normal_scale(f)) {
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
+              for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-              for (int e = 0; e < 32; ++e) acc[hf][e] = acc[hf][e] * it * id;
+                for (int e = 0; e < 32; ++e) acc[hf][e] *= f;
+            } else {
+              undo_scales_apart(acc[0], S.amax_tb, S.amax_dvn);
+              undo_scales_apart(acc[1], S.amax_tb, S.amax_dvn);
+            }
           } else {
             mm128<1, 1, 4>(acc, [&](int k) { return mnmaj(dd, S, S.t12, 64, k); },
                            [&](int k) { return mnmaj(dd, S, S.t21, 64, k); }, false);
@@ -723,6 +727,8 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
                                   [&](int k) { return kmaj(dd, S, S.t22, 64, k); }, false);
             mm128<0, 1, 4, __half>(wide, [&](int k) { return kmaj(dd, S, S.t12, 64, k); },
                                    [&](int k) { return mnmaj(dd, S, S.t22, 64, k); }, false);
+            // One scale at a time (D's P5 undoes both by one multiply, inv_scale_product): here the
+            // branch that form needs spilled R's registers (192 in use).
             const float id = pow2_scale_of(S.amax_dvn).inv, ir = pow2_scale_of(S.amax_r).inv,
                         it = pow2_scale_of(S.amax_tb).inv;
 #pragma unroll

@@ -85,7 +85,12 @@ __global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams
       const int i = warp + 4 * (j0 + r);
       const bool live = P.l2norm && i < len;
       const float sq = live ? warp_l2norm_rnorm(vq[r]) : 1.f, sk = live ? warp_l2norm_rnorm(vk[r]) : 1.f;
-      if (lane == 0) S.sq[i] = sq, S.sk[i] = sk;
+      if (lane == 0) {
+        S.sq[i] = sq, S.sk[i] = sk;
+        // Kept for the reduce's norm backward (the same scale, not recomputed from x there).
+        float* const rs = F.row_scale + (gc * P.Hq + hq) * 2 * kC;
+        rs[i] = sq, rs[kC + i] = sk;
+      }
     }
   }
   __syncthreads();
