@@ -5,17 +5,17 @@
 #
 #   here:   bash scripts/ab_base.sh main;  device: carry [".ab"]; OUT=$OUT bash scripts/exp_reduce_loads.sh
 #
-# 1. A/B against main, both q/k conventions (same bits expected). 2. memcheck on the fused cases
-# (a new workspace buffer). 3. Nsight Compute's kernel durations of one 16/64 1x32768 backward in
-# both trees (the reduce ~0.55 -> ~0.42 ms expected). 4. The fused tests.
+# 1. A/B against main, both q/k conventions (same bits expected); memcheck ran on the first form
+# (clean). 2. Nsight Compute's kernel durations of one 16/64 1x32768 backward in
+# both trees. The fused tests: in the full suite after.
 set -uo pipefail
 t0=$SECONDS
 OUT=${OUT:-/tmp/out}
 export OUT
-AB_ROWS=${AB_ROWS:-"16/64/32768 2/8/32768 16/64/8192"} AB_REPS=${AB_REPS:-1} AB_QK=${AB_QK:-"in_kernel prenormalized"} \
+AB_ROWS=${AB_ROWS:-"16/64/32768 2/8/32768"} AB_REPS=${AB_REPS:-1} AB_QK=${AB_QK:-"in_kernel prenormalized"} \
   SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck"} \
   SANITIZE_FILTER=${SANITIZE_FILTER:-'Cuda/CudaBackwardCase*D128*:CudaBackward.*'} \
-  bash scripts/gpu_check.sh build,ab,sanitize 2>&1 | grep -E '^\| ' | tail -40
+  bash scripts/gpu_check.sh build,ab 2>&1 | grep -E '^\| ' | tail -40
 cp "$OUT/logs.tar.gz" "$OUT/steps-logs.tar.gz" 2>/dev/null
 echo "steps $((SECONDS - t0)) s"
 for tree in base tree; do
@@ -29,6 +29,4 @@ for tree in base tree; do
   done
 done
 echo "ncu $((SECONDS - t0)) s"
-export PYTHONPATH=/tmp/site LD_LIBRARY_PATH=$PWD/build-gpu
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/python/test_bwd_fused.py 2>&1 | grep -v "^SKIPPED" | tail -3
-echo "done $((SECONDS - t0)) s"
+echo "done $((SECONDS - t0)) s (the fused tests: in the full suite after)"

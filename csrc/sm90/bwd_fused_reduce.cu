@@ -25,15 +25,14 @@ __device__ __forceinline__ void store4(bf16* o, float4 x) {
 
 // One block per (chunk slot, q/k head): a warp a token, four columns a lane. dq, dk = the sum over
 // the group's value heads (ascending) of the tiles, then (l2norm) dx = r (dx^ - x^ (x^ . dx^)) with
-// the prep's r = 1 / ||x|| (F.row_scale); dv and dbeta of the group's value heads copied out. The
-// addresses are formed once a block (the group's tiles, each tensor's row of the chunk's first
-// token, the lane's place in a tile row) and stepped by a token: formed per value and token, their
-// 64-bit arithmetic took most of the issue slots (results/h200-2026-11-29/ncu-fused.md). A token's
-// loads (both sums' tiles, four value heads at a time, and the rows of q and k) are issued before
-// its first store: in the order of the sums, dq's store came before dk's loads, which the compiler
-// cannot move above a store it cannot tell apart from them, so each token waited out two rounds of
-// loads, and the row norm was a third (recomputed from x where the prep had it).
-__global__ void __launch_bounds__(kThreads, 3) fused_reduce_kernel(BwdParams P, FusedBuffers F) {
+// the prep's r = 1 / ||x|| (F.row_scale; recomputed here from x's row, the kernel took 648 us at
+// 16/64 1x32768 with q/k normalised in the call, 468 before it); dv and dbeta of the group's value
+// heads copied out. The addresses are formed once a block (the
+// group's tiles, each tensor's row of the chunk's first token, the lane's place in a tile row) and
+// stepped by a token: formed per value and token, their 64-bit arithmetic took most of the issue
+// slots (the kernel issued on 73% of its cycles at 47% of the memory's rate; results/
+// h200-2026-11-29/ncu-fused.md).
+__global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, FusedBuffers F) {
   const int64_t gc = blockIdx.x, hq = blockIdx.y;
   ChunkInfo ci;
   if (!locate_chunk(P.seq, gc, ci)) return;
@@ -51,49 +50,28 @@ __global__ void __launch_bounds__(kThreads, 3) fused_reduce_kernel(BwdParams P, 
   const Tensor4* const xs[2] = {&P.q, &P.k};
   const Tensor4* const ds[2] = {&P.dq, &P.dk};
   const bool dv_copy = !F.dv_direct || (F.dv_tail != nullptr && ci.len < kC);
-  constexpr int kHeadsInFlight = 4;
   for (int i = warp; i < ci.len; i += kThreads / 32) {
     const int64_t t = ci.t0 + i;
     const uint32_t off = lane_block + sm90::swizzle128(uint32_t(i), lane_chunk) + lane_byte;
-    uint2 raw[2] = {};
-    float rn[2] = {1.f, 1.f};
-    if (P.l2norm) {
-#pragma unroll
-      for (int which = 0; which < 2; ++which) {
-        const bf16* x = static_cast<const bf16*>(xs[which]->data) + tok_off(*xs[which], ci.b, t, hq);
-        raw[which] = __ldg(reinterpret_cast<const uint2*>(x) + lane);
-        rn[which] = row_scale[which * kC + i];
-      }
-    }
-    float4 d[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
-    for (int g0 = 0; g0 < group; g0 += kHeadsInFlight) {
-      uint2 x[2][kHeadsInFlight];  // four bf16 values each, unpacked as they are summed
-#pragma unroll
-      for (int which = 0; which < 2; ++which)
-#pragma unroll
-        for (int b = 0; b < kHeadsInFlight; ++b)
-          if (g0 + b < group) x[which][b] = *reinterpret_cast<const uint2*>(tiles[which] + size_t(g0 + b) * unit_bytes + off);
-#pragma unroll
-      for (int which = 0; which < 2; ++which)
-#pragma unroll
-        for (int b = 0; b < kHeadsInFlight; ++b)
-          if (g0 + b < group) {
-            const float2 lo = sm90::unpack2<bf16>(x[which][b].x), hi = sm90::unpack2<bf16>(x[which][b].y);
-            d[which].x += lo.x, d[which].y += lo.y, d[which].z += hi.x, d[which].w += hi.y;
-          }
-    }
 #pragma unroll
     for (int which = 0; which < 2; ++which) {  // 0: dq, 1: dk
-      if (P.l2norm) {  // x^ = x / ||x||, as the prep scaled it
-        const float r = rn[which];
-        const float2 x01 = sm90::unpack2<bf16>(raw[which].x), x23 = sm90::unpack2<bf16>(raw[which].y);
-        const float4 xn = make_float4(x01.x * r, x01.y * r, x23.x * r, x23.y * r);
-        const float4 dd = d[which];
-        const float dot = warp_sum(xn.x * dd.x + xn.y * dd.y + xn.z * dd.z + xn.w * dd.w);
-        d[which] = make_float4(r * (dd.x - xn.x * dot), r * (dd.y - xn.y * dot), r * (dd.z - xn.z * dot),
-                               r * (dd.w - xn.w * dot));
+      float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
+      const uint8_t* tile = tiles[which];
+      for (int g = 0; g < group; ++g, tile += unit_bytes) {
+        const float4 x = tile4(tile, off);
+        d.x += x.x, d.y += x.y, d.z += x.z, d.w += x.w;
       }
-      store4(static_cast<bf16*>(ds[which]->data) + tok_off(*ds[which], ci.b, t, hq) + 4 * lane, d[which]);
+      if (P.l2norm) {  // x^ = x / ||x|| with the prep's 1 / ||x|| (F.row_scale), as it scaled x
+        const bf16* x = static_cast<const bf16*>(xs[which]->data) + tok_off(*xs[which], ci.b, t, hq);
+        const float rn = row_scale[which * kC + i];
+        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x) + lane);
+        const float2 x01 = sm90::unpack2<bf16>(raw.x), x23 = sm90::unpack2<bf16>(raw.y);
+        const float4 xn = make_float4(x01.x * rn, x01.y * rn, x23.x * rn, x23.y * rn);
+        const float dot = warp_sum(xn.x * d.x + xn.y * d.y + xn.z * d.z + xn.w * d.w);
+        d = make_float4(rn * (d.x - xn.x * dot), rn * (d.y - xn.y * dot), rn * (d.z - xn.z * dot),
+                        rn * (d.w - xn.w * dot));
+      }
+      store4(static_cast<bf16*>(ds[which]->data) + tok_off(*ds[which], ci.b, t, hq) + 4 * lane, d);
     }
     const int64_t h0 = hq * P.group;
     for (int g = 0; g < group; ++g) {
