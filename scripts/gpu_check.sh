@@ -337,7 +337,7 @@ if has ncu; then
   # or on the CPU machine: the source lines must be this tree's).
   cub=$(mktemp -d)
   (cd "$cub" && cuobjdump -xelf all "$OLDPWD/$BUILD/libflashgdn.so" >/dev/null 2>&1)
-  cp "$cub"/bwd_fused*.cubin "$LOG/walk.cubin" 2>/dev/null
+  cp "$cub"/bwd_fused.sm_*.cubin "$LOG/walk.cubin" 2>/dev/null  # (not bwd_fused_prep, _reduce, _scan)
   if command -v nvdisasm >/dev/null && [ -f "$LOG/walk.cubin" ]; then
     nvdisasm -g -gi -c "$LOG/walk.cubin" >"$cub/walk.sass" 2>/dev/null &&
       $PY bench/ncu_stalls.py "$LOG/ncu.csv" --sass "$cub/walk.sass" >"$LOG/ncu-stages.txt" 2>&1

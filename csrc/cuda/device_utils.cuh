@@ -171,16 +171,6 @@ __device__ __forceinline__ float warp_l2norm_rnorm(const float (&x)[N]) {
         return warp_sum(t);
       });
 }
-// 1 / ||x|| (warp_l2norm_rnorm) of a row of D 16-bit values by a warp, element lane + 32 u in
-// lane's u-th slot: the order qk_prep sums them in, so every caller gets its bits (the fused
-// backward's reduce differentiates through it; its prep sums its batched rows in the same order).
-template <int D, typename T>
-__device__ __forceinline__ float warp_row_rnorm(const T* x, int lane) {
-  float v[D / 32];
-#pragma unroll
-  for (int u = 0; u < D / 32; ++u) v[u] = to_float(x[lane + 32 * u]);
-  return warp_l2norm_rnorm(v);
-}
 
 // Inclusive prefix sum over the 32 lanes (lane i gets x_0 + .. + x_i).
 __device__ __forceinline__ float warp_inclusive_scan(float x) {

@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams
   // The first value head's gates, in flight under the keys' loads.
   TokenGate tg = tid < kC ? load_token_gate(P, ci, hq * P.group, tid) : TokenGate{};
 
-  // Each row's scale, a warp the rows warp + 4 j, summed in warp_row_rnorm's order (the forward's
-  // bits), eight rows' loads in flight at a time: a row at a time waited out each load's latency.
+  // Each row's scale, a warp the rows warp + 4 j, element lane + 32 u in lane's u-th slot summed by
+  // warp_l2norm_rnorm (qk_prep's order: the forward's bits), eight rows' loads in flight at a time:
+  // a row at a time waited out each load's latency.
   constexpr int kBatch = 8;
   for (int j0 = 0; j0 < kC / 4; j0 += kBatch) {
     float vq[kBatch][kD / 32], vk[kBatch][kD / 32];

@@ -25,9 +25,9 @@ __device__ __forceinline__ void store4(bf16* o, float4 x) {
 
 // One block per (chunk slot, q/k head): a warp a token, four columns a lane. dq, dk = the sum over
 // the group's value heads (ascending) of the tiles, then (l2norm) dx = r (dx^ - x^ (x^ . dx^)) with
-// the prep's r = 1 / ||x|| (F.row_scale; recomputed here from x's row, the kernel took 648 us at
-// 16/64 1x32768 with q/k normalised in the call, 468 before it); dv and dbeta of the group's value
-// heads copied out. The addresses are formed once a block (the
+// the prep's r = 1 / ||x|| (F.row_scale: recomputed here from x's row, the kernel took 648 us at
+// 16/64 1x32768 with q/k normalised in the call, 468 before it; read, 574); dv and dbeta of the
+// group's value heads copied out. The addresses are formed once a block (the
 // group's tiles, each tensor's row of the chunk's first token, the lane's place in a tile row) and
 // stepped by a token: formed per value and token, their 64-bit arithmetic took most of the issue
 // slots (the kernel issued on 73% of its cycles at 47% of the memory's rate; results/
