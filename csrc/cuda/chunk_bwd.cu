@@ -180,7 +180,8 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.dv_tail = F.tails && F.dv_direct ? reinterpret_cast<uint8_t*>(f + F.off[F.kDvTail]) : nullptr;
   B.gates = reinterpret_cast<float*>(f + F.off[F.kGates]);
   B.ar = reinterpret_cast<uint8_t*>(f + F.off[F.kAr]);
-  B.out = reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
+  // h's unit u (slot Hv + h) at u kState bytes, as the out tiles' unit u (bwd_fused.h).
+  B.out = F.out_in_states ? reinterpret_cast<uint8_t*>(P.h) : reinterpret_cast<uint8_t*>(f + F.off[F.kOut]);
   B.dv_direct = F.dv_direct;
   B.out_count = F.out_count;
   B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);

@@ -70,6 +70,8 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   const bool dv_direct = direct && sm90::tile_map_direct(a.dv);
   const bool tails = direct && p.varlen;
   const int32_t out_count = dv_direct ? 2 : 3;
+  static_assert(2 * fk::kTile == fk::kState, "a unit's dk, dq tiles fill its state");
+  const bool out_in_states = out_count == 2 && (!p.has_saved_states || a.saved_states_scratch == 1);
   const size_t vo = direct ? 0 : S * C * Hv * D * 2;
   // A tail a sequence (N of them <= the chunk slots; the shapes alone size it, no lengths needed).
   const size_t N = static_cast<size_t>(p.N), tail = tails ? N * C * Hv * D * 2 : 0;
@@ -85,7 +87,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       tails && dv_direct ? N * Hv * fk::kTile : 0,  // dv_tail
       S * Hv * 2 * C * 4,                      // gates
       S * Hv * fk::kSmall,                     // ar
-      S * Hv * out_count * fk::kTile,          // out
+      out_in_states ? 0 : S * Hv * out_count * fk::kTile,  // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
       S * Hq * 2 * C * 4,                      // row_scale
@@ -96,6 +98,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   L.tails = tails;
   L.dv_direct = dv_direct;
   L.out_count = out_count;
+  L.out_in_states = out_in_states;
   L.segments = plan.segments;
   L.seg_chunks = plan.segments > 1 ? static_cast<int32_t>(plan.chunks) : 0;
   size_t o = 0;

@@ -32,6 +32,12 @@ struct FusedLayout {
   bool tails;         // vo_direct on a packed call: the sequences' tails through kVTail, kDoTail (kDvTail)
   bool dv_direct;     // vo_direct and TMA can address dv: the kernel writes dv in place
   int32_t out_count;  // kOut's tiles a (chunk slot, value head): dk, dq (2) with dv_direct, else dk, dv, dq
+  // The out tiles in the states' memory (kOut empty): with dv_direct a unit's dk, dq tiles (2 x 16
+  // KB) fill its bf16 state (128 x 128 x 2 bytes), and the walk stores a unit's tiles only after
+  // it has read that unit's state (the chunk's S0, loaded before the chunk's products; no other
+  // reader of h follows the walk). Where h is the caller's saved_states, only with their consent
+  // (fgdn_bwd_args::saved_states_scratch).
+  bool out_in_states;
   // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
   // (kMaps: 2 fp32 128 x 128 matrices) and the seed (kSeeds: one).
   int32_t seg_chunks, segments;

@@ -191,6 +191,12 @@ typedef struct fgdn_bwd_args {
      precision level (the library cannot check where they came from); the backward then skips
      its states pass. Refused where fgdn_saved_states_rows() is 0. */
   fgdn_tensor saved_states;
+  /* 1: the backward may use saved_states' memory as scratch once it has read them (their values
+     are undefined after the call; a second backward needs the forward's states again); its
+     workspace is then smaller by S Hv K V 2 bytes (1.07 GB at 64 value heads, one 32768-token
+     sequence; fgdn_backward_workspace_size). 0 (a zero-initialised struct): saved_states are
+     only read. 1 only with saved_states. */
+  int32_t saved_states_scratch;
 } fgdn_bwd_args;
 
 /* Device scratch the call needs, in bytes (0 for host tensors). Pass at least this much as

@@ -108,7 +108,9 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 # ---- backward -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=())
+# saved_states, when given, are the backward's scratch once read (saved_states_scratch): declared
+# mutated, so that a compiler orders (or copies) them as such.
+@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=("saved_states",))
 def _bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
@@ -126,6 +128,7 @@ def _bwd_op(
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
         need_dh0=need_dh0, check_inputs=check_inputs, precision=precision,
         context_parallel=context_parallel, cp_segment=cp_segment, saved_states=saved_states,
+        saved_states_scratch=saved_states is not None,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -161,10 +164,13 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
      precision, _final_state_dtype, context_parallel, cp_segment, _save_states) = inputs
-    # the chunk-start states the forward wrote for the backward (save_states), if any
-    saved = output[3] if output[3].numel() > 0 else None
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
-                          initial_state, state_indices, saved)
+                          initial_state, state_indices)
+    # The chunk-start states the forward wrote for the backward (save_states), if any: held here,
+    # not saved, because the first backward consumes them (its scratch once read: 1.07 GB less
+    # workspace at 64 value heads, 32768 tokens) and drops them; a second backward through this
+    # graph (retain_graph) finds none and recomputes its states.
+    ctx.saved_states = output[3] if output[3].numel() > 0 else None
     # the backward's too: its arithmetic and its reverse pass's context parallelism
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
     ctx.mark_non_differentiable(output[2], output[3])  # checkpoints, saved states
@@ -175,7 +181,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dht, _dckpt, _dsaved):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
-     state_indices, saved) = ctx.saved_tensors
+     state_indices) = ctx.saved_tensors
+    saved, ctx.saved_states = ctx.saved_states, None
     scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")

@@ -216,6 +216,7 @@ fgdn_bwd_args parse_bwd(Kwargs& kw) {
   a.context_parallel = static_cast<int32_t>(kw.integer("context_parallel"));
   a.cp_segment = kw.integer("cp_segment");
   a.saved_states = kw.tensor("saved_states");
+  a.saved_states_scratch = kw.flag("saved_states_scratch") ? 1 : 0;
   return a;
 }
 
@@ -463,9 +464,10 @@ NB_MODULE(_C, m) {
       "backward",
       [](nb::kwargs kwargs) { launch("backward", std::move(kwargs), parse_bwd, fgdn_backward); },
       "backward(<inputs as forward>, d_o=, d_final_state=, dq=, dk=, dv=, dg=, dbeta=, dA_log=,\n"
-      "         ddt_bias=, dh0=, precision=, context_parallel=, cp_segment=, workspace=,\n"
-      "         workspace_bytes=, stream=): fgdn_backward; precision, context_parallel and cp_segment\n"
-      "         as forward's (the CUDA backward's arithmetic and reverse pass).");
+      "         ddt_bias=, dh0=, precision=, context_parallel=, cp_segment=, saved_states=,\n"
+      "         saved_states_scratch=, workspace=, workspace_bytes=, stream=): fgdn_backward;\n"
+      "         precision, context_parallel and cp_segment as forward's (the CUDA backward's\n"
+      "         arithmetic and reverse pass).");
 
   m.def("reference_forward", &reference_forward,
         "reference_forward(B=, T=, Hq=, Hv=, K=, V=, q=, k=, v=, g=, beta=, [cu_seqlens=, scale=,\n"

@@ -228,6 +228,10 @@ std::vector<Case> cases() {
         f.ba.saved_states = host_tensor(f.ck.data(), FGDN_BFLOAT16, {1, 4, 16, 32});
       },
       {"'saved_states'", "fgdn_saved_states_rows is 0", "got a tensor"});
+  bwd("saved_states_scratch_value", [](Fixture& f) { f.ba.saved_states_scratch = 2; },
+      {"'saved_states_scratch'", "0 or 1", "got 2"});
+  bwd("saved_states_scratch_without_saved_states", [](Fixture& f) { f.ba.saved_states_scratch = 1; },
+      {"'saved_states_scratch'", "0 without saved_states", "got 1"});
   bwd("dq_shape", [](Fixture& f) { f.ba.dq.shape[2] = 4; }, {"'dq'", "[B=1, T=70, Hq=2, K=16]"});
   bwd("dv_dtype", [](Fixture& f) { f.ba.dv.dtype = FGDN_FLOAT16; }, {"'dv'", "dtype float32"});
   bwd("dg_missing", [](Fixture& f) { f.ba.dg = fgdn_tensor_none(); }, {"'dg'", "none"});

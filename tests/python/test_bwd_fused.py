@@ -338,6 +338,61 @@ def test_saved_states_same_bits(layout, level):
     assert not torch.equal(zeroed.dq, recomputed.dq), "the backward did not read saved_states"
 
 
+@pytest.mark.parametrize("layout", ["varlen", "dense"])
+def test_saved_states_scratch(layout, monkeypatch):
+    """saved_states_scratch: the backward may overwrite the saved states once read. Without it
+    they are left bitwise as the forward wrote them; with it the gradients are the same bits, the
+    states are overwritten (their memory holds the dk, dq tiles), and the workspace is smaller by
+    S Hv 128 128 2 bytes (the out tiles' buffer gone)."""
+    from flashgdn import _C, _core
+    if layout == "varlen":
+        c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
+    else:
+        c = make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
+    do, dht = inputs_of(c)
+    kw = c.lowlevel_kwargs()
+    rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, "default", c.use_gate_in_kernel)
+    real = _C.backward_workspace_size
+    asked = []
+
+    def spy(**a):  # the workspace each backward asks for
+        asked.append(real(**a))
+        return asked[-1]
+    monkeypatch.setattr(_C, "backward_workspace_size", spy)
+    saved = torch.empty((rows, 4, 128, 128), device=DEV, dtype=torch.bfloat16)
+    _core.chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, saved_states=saved, **kw)
+    written = saved.clone()
+    kept = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, saved_states=saved, **kw)
+    assert torch.equal(saved, written), "saved_states changed without saved_states_scratch"
+    sizes = []
+    for scratch in (False, True):
+        got = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, saved_states=saved,
+                                         saved_states_scratch=scratch, **kw)
+        sizes.append(asked[-1])
+        for name in GRADS:
+            x, y = getattr(got, name), getattr(kept, name)
+            assert (x is None and y is None) or torch.equal(x, y), f"{name}: scratch={scratch} changes the bits"
+    assert not torch.equal(saved, written), "saved_states_scratch: the states' memory was not used"
+    slots = rows - 1
+    assert sizes[0] - sizes[1] >= slots * 4 * 128 * 128 * 2, f"workspace {sizes[0]} -> {sizes[1]} bytes"
+
+
+def test_autograd_backward_twice():
+    """The first backward consumes the forward's saved states (its scratch); a second backward
+    through the same graph (retain_graph) recomputes them: the same bits both times."""
+    from flashgdn import chunk_gated_delta_rule
+    c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[200, 77], device=DEV, l2norm=True)
+    do, dht = inputs_of(c)
+    leaves = [x.clone().requires_grad_() for x in (c.q, c.k, c.v, c.g, c.beta)]
+    o, ht = chunk_gated_delta_rule(*leaves, output_final_state=True, cu_seqlens_cpu=c.cu_seqlens_host,
+                                   **c.kwargs())
+    loss = (o.float() * do.float()).sum() + (ht * dht).sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta"), first, second):
+        assert torch.equal(x, y), f"{name}: the second backward differs from the first"
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_autograd_saves_states(level):
     """Under autograd the forward saves the states where the backward takes them: the gradients of
