@@ -302,6 +302,13 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
 # ---- the states saved by the forward (fgdn_fwd_args.saved_states) --------------------------------
 
 
+def _saved_states_case(layout):
+    """A packed call with empty, one-token and aligned sequences, or a dense one with a partial chunk."""
+    if layout == "varlen":
+        return make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
+    return make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("layout", ["varlen", "dense"])
 def test_saved_states_same_bits(layout, level):
@@ -311,10 +318,7 @@ def test_saved_states_same_bits(layout, level):
     oracle's bounds. Overwriting the saved states changes the gradients: the backward reads them."""
     from flashgdn import _core
     from gdn_testutil import oracle_forward
-    if layout == "varlen":
-        c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
-    else:
-        c = make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
+    c = _saved_states_case(layout)
     do, dht = inputs_of(c)
     kw = c.lowlevel_kwargs()
     rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, level, c.use_gate_in_kernel)
@@ -345,10 +349,7 @@ def test_saved_states_scratch(layout, monkeypatch):
     states are overwritten (their memory holds the dk, dq tiles), and the workspace is smaller by
     S Hv 128 128 2 bytes (the out tiles' buffer gone)."""
     from flashgdn import _C, _core
-    if layout == "varlen":
-        c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
-    else:
-        c = make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
+    c = _saved_states_case(layout)
     do, dht = inputs_of(c)
     kw = c.lowlevel_kwargs()
     rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, "default", c.use_gate_in_kernel)
