@@ -187,7 +187,7 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.dg = reinterpret_cast<float*>(f + F.off[F.kDg]);
   B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
   B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);
-  B.row_scale = reinterpret_cast<float*>(f + F.off[F.kRowScale]);
+  B.row_scale = p.l2norm ? reinterpret_cast<float*>(f + F.off[F.kRowScale]) : nullptr;
   B.maps = reinterpret_cast<float*>(f + F.off[F.kMaps]);
   B.seeds = reinterpret_cast<float*>(f + F.off[F.kSeeds]);
   B.seg_chunks = F.seg_chunks;

@@ -90,7 +90,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       out_in_states ? 0 : S * Hv * out_count * fk::kTile,  // out
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
-      S * Hq * 2 * C * 4,                      // row_scale
+      p.l2norm ? S * Hq * 2 * C * 4 : 0,       // row_scale (the in-kernel l2norm's backward alone)
       2 * cp, cp,                              // maps, seeds
   };
   FusedLayout L{};

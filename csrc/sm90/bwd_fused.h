@@ -58,7 +58,7 @@ struct FusedBuffers {
   float* dg;                              // [slot Hv + h][64] (P.dc: the gate step reads it)
   float* dbeta;                           // [slot Hv + h][64]
   float* bound;                           // [slot Hv + h]: reverse CP's certificate (fused_bwd::Params)
-  float* row_scale;                       // [slot Hq + hq][2][64]: q's, k's 1 / ||x|| (l2norm; the
+  float* row_scale;                       // [slot Hq + hq][2][64]: q's, k's 1 / ||x|| (l2norm, else null; the
                                           // prep's, for the reduce's norm backward)
   float *maps, *seeds;                    // reverse CP (FusedLayout::kMaps, kSeeds)
   int32_t seg_chunks, segments;

@@ -88,9 +88,10 @@ __global__ void __launch_bounds__(tl::kWarpgroup, 4) fused_prep_kernel(BwdParams
       const float sq = live ? warp_l2norm_rnorm(vq[r]) : 1.f, sk = live ? warp_l2norm_rnorm(vk[r]) : 1.f;
       if (lane == 0) {
         S.sq[i] = sq, S.sk[i] = sk;
-        // Kept for the reduce's norm backward (the same scale, not recomputed from x there).
-        float* const rs = F.row_scale + (gc * P.Hq + hq) * 2 * kC;
-        rs[i] = sq, rs[kC + i] = sk;
+        if (P.l2norm) {  // kept for the reduce's norm backward (the same scale, not recomputed from x there)
+          float* const rs = F.row_scale + (gc * P.Hq + hq) * 2 * kC;
+          rs[i] = sq, rs[kC + i] = sk;
+        }
       }
     }
   }

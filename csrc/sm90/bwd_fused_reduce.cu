@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(kThreads) fused_reduce_kernel(BwdParams P, Fus
   const size_t unit_bytes = size_t(F.out_count) * fk::kTile;
   const uint8_t* const units = F.out + size_t(gc * P.Hv + hq * P.group) * unit_bytes;
   const uint8_t* const tiles[2] = {units + size_t(F.out_count - 1) * fk::kTile, units};  // 0: dq, 1: dk
-  const float* const row_scale = F.row_scale + (gc * P.Hq + hq) * 2 * kC;  // q's rows, then k's
+  // q's rows, then k's (allocated with the in-kernel l2norm alone)
+  const float* const row_scale = P.l2norm ? F.row_scale + (gc * P.Hq + hq) * 2 * kC : nullptr;
   // The lane's four columns 4 l .. 4 l + 3: their column block and their bytes in a swizzled row.
   const int col = 4 * lane;
   const uint32_t lane_block = uint32_t(col >> 6) * 64u * 128u, lane_chunk = uint32_t(col & 63) >> 3,

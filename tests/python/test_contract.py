@@ -74,13 +74,13 @@ def test_lowlevel_gradients_never_copied():
 
 def test_saved_states_scratch_needs_saved_states():
     """saved_states_scratch (the saved states' memory as the backward's scratch) only with
-    saved_states, and a flag: refused naming it, nothing written."""
+    saved_states, and a bool (TypeError otherwise, as every flag): refused naming it, nothing written."""
     c = _small()
     dq = torch.full((1, 70, 1, 16), NAN)
     with pytest.raises(ValueError, match="'saved_states_scratch'.*0 without saved_states"):
         chunk_gated_delta_rule_bwd(*c.inputs(), torch.randn(1, 70, 2, 16), cu_seqlens=c.cu_seqlens, dq=dq,
                                    saved_states_scratch=True)
-    with pytest.raises(ValueError, match="saved_states_scratch"):
+    with pytest.raises(TypeError, match="saved_states_scratch"):
         chunk_gated_delta_rule_bwd(*c.inputs(), torch.randn(1, 70, 2, 16), cu_seqlens=c.cu_seqlens, dq=dq,
                                    saved_states_scratch=2)
     assert torch.isnan(dq).all()
