@@ -771,12 +771,13 @@ Problem validate_backward(const fgdn_bwd_args* a, Mode mode, void* stream, const
   p.want_dh0 = present(a->dh0);
   p.precision = check_precision(c, a->precision);
   check_context_parallel(c, a->context_parallel, a->cp_segment, p);
-  check_saved_states(c, a->saved_states, p, Role::kInput);
-  p.has_saved_states = present(a->saved_states);
   if (a->saved_states_scratch != 0 && a->saved_states_scratch != 1)
     c.fail("saved_states_scratch", "0 or 1", std::to_string(a->saved_states_scratch));
-  else if (a->saved_states_scratch == 1 && !p.has_saved_states)
+  if (a->saved_states_scratch == 1 && !present(a->saved_states))
     c.fail("saved_states_scratch", "0 without saved_states (1: their memory as the backward's scratch)", "1");
+  // As the backward's scratch the saved states are written: an output, overlapping nothing.
+  check_saved_states(c, a->saved_states, p, a->saved_states_scratch == 1 ? Role::kOutput : Role::kInput);
+  p.has_saved_states = present(a->saved_states);
   check_derived_sizes(c, p);
   c.overlaps();
   if (p.on_cuda) c.workspace(workspace, workspace_bytes);

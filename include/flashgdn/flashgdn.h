@@ -192,10 +192,11 @@ typedef struct fgdn_bwd_args {
      its states pass. Refused where fgdn_saved_states_rows() is 0. */
   fgdn_tensor saved_states;
   /* 1: the backward may use saved_states' memory as scratch once it has read them (their values
-     are undefined after the call; a second backward needs the forward's states again); its
-     workspace is then smaller by S Hv K V 2 bytes (1.07 GB at 64 value heads, one 32768-token
-     sequence; fgdn_backward_workspace_size). 0 (a zero-initialised struct): saved_states are
-     only read. 1 only with saved_states. */
+     are undefined after the call; a second backward needs the forward's states again; they are
+     then an output, overlapping no other argument). Where v, d_o and dv are TMA-addressable
+     (docs/api.md) its workspace is then smaller by (R - 1) Hv K V 2 bytes (1.07 GB at 64 value
+     heads, one 32768-token sequence; fgdn_backward_workspace_size). 0 (a zero-initialised
+     struct): saved_states are only read. 1 only with saved_states. */
   int32_t saved_states_scratch;
 } fgdn_bwd_args;
 

@@ -4,8 +4,9 @@ Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
 
 * ``flashgdn::chunk_gated_delta_rule_fwd``  (functional) -> (o, final_state, checkpoints,
   saved_states: the chunk-start states written for the backward when ``save_states``, else empty)
-* ``flashgdn::chunk_gated_delta_rule_bwd``  (functional) -> (dq, dk, dv, dg, dbeta, dA_log,
-  ddt_bias, dh0)
+* ``flashgdn::chunk_gated_delta_rule_bwd``  (functional, but with ``saved_states_scratch``,
+  which overwrites ``saved_states``: the autograd backward's first call) -> (dq, dk, dv, dg,
+  dbeta, dA_log, ddt_bias, dh0)
 * ``flashgdn::chunk_gated_delta_rule_fwd_pool_`` (writes final states back into the rows of a
   state pool, ``initial_state``, selected by ``state_indices``; inference only) -> (o, checkpoints)
 
@@ -108,9 +109,13 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 # ---- backward -------------------------------------------------------------------------------
 
 
-# saved_states, when given, are the backward's scratch once read (saved_states_scratch): declared
-# mutated, so that a compiler orders (or copies) them as such.
-@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=("saved_states",))
+# With saved_states_scratch the op overwrites saved_states once it has read them. Not declared as
+# a mutation on purpose: a declared one makes torch.compile copy them first (1.07 GB at 16/64,
+# 32768 tokens: the saving gone) and bumps their version, so that a second backward through the
+# graph could not unpack its saved tensors at all. The autograd backward below passes it only on
+# the first backward of a graph and never while tracing (a traced graph may be replayed), and
+# nothing else reads those states.
+@torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=())
 def _bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor],
@@ -119,7 +124,7 @@ def _bwd_op(
     scale: Optional[float], use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     state_v_first: bool, do: Tensor, dht: Optional[Tensor], need_dh0: bool, check_inputs: bool,
     precision: str = "default", context_parallel: Optional[bool] = None, cp_segment: int = 0,
-    saved_states: Optional[Tensor] = None,
+    saved_states: Optional[Tensor] = None, saved_states_scratch: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     gr = _core.chunk_gated_delta_rule_bwd(
         q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
@@ -128,7 +133,7 @@ def _bwd_op(
         dt_bias=dt_bias, state_indices=state_indices, state_v_first=state_v_first,
         need_dh0=need_dh0, check_inputs=check_inputs, precision=precision,
         context_parallel=context_parallel, cp_segment=cp_segment, saved_states=saved_states,
-        saved_states_scratch=saved_states is not None,
+        saved_states_scratch=saved_states_scratch,
     )
     e = _empty(q)
     return (gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta,
@@ -141,7 +146,7 @@ def _bwd_op(
 def _bwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
               state_indices, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, state_v_first,
               do, dht, need_dh0, check_inputs, precision="default", context_parallel=None, cp_segment=0,
-              saved_states=None):
+              saved_states=None, saved_states_scratch=False):
     c = torch.contiguous_format
     dA = (A_log.new_empty(tuple(A_log.shape), dtype=torch.float32)
           if use_gate_in_kernel and A_log is not None else _empty(q))
@@ -164,13 +169,11 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
      precision, _final_state_dtype, context_parallel, cp_segment, _save_states) = inputs
+    # the chunk-start states the forward wrote for the backward (save_states), if any: saved as the
+    # inputs are (checkpointing's and offloading's hooks see them), consumed by the first backward
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
-                          initial_state, state_indices)
-    # The chunk-start states the forward wrote for the backward (save_states), if any: held here,
-    # not saved, because the first backward consumes them (its scratch once read: 1.07 GB less
-    # workspace at 64 value heads, 32768 tokens) and drops them; a second backward through this
-    # graph (retain_graph) finds none and recomputes its states.
-    ctx.saved_states = output[3] if output[3].numel() > 0 else None
+                          initial_state, state_indices, output[3] if output[3].numel() > 0 else None)
+    ctx.states_consumed = False
     # the backward's too: its arithmetic and its reverse pass's context parallelism
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
     ctx.mark_non_differentiable(output[2], output[3])  # checkpoints, saved states
@@ -181,8 +184,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dht, _dckpt, _dsaved):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
-     state_indices) = ctx.saved_tensors
-    saved, ctx.saved_states = ctx.saved_states, None
+     state_indices, saved) = ctx.saved_tensors
+    # The first eager backward of the graph takes the saved states as its scratch once read (its
+    # workspace 1.07 GB smaller at 16/64, 32768 tokens); a later one (retain_graph) recomputes
+    # them. While tracing (torch.compile) the states are only read.
+    if ctx.states_consumed:
+        saved = None
+    scratch = saved is not None and not torch.compiler.is_compiling()
     scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
@@ -196,7 +204,8 @@ def _backward(ctx, do, dht, _dckpt, _dsaved):
     dq, dk, dv, dg, dbeta, dA, ddt, dh0 = _bwd_op(
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
         scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision, context_parallel, cp_segment,
-        saved)
+        saved, scratch)
+    ctx.states_consumed = ctx.states_consumed or scratch
     grads = (dq, dk, dv, dg, dbeta,
              dA if gate and A_log is not None else None,
              ddt if gate and dt_bias is not None else None,

@@ -303,9 +303,12 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
 
 
 def _saved_states_case(layout):
-    """A packed call with empty, one-token and aligned sequences, or a dense one with a partial chunk."""
+    """A packed call with empty, one-token and aligned sequences, a dense one with a partial chunk,
+    or (cp) a packed one whose long sequences the reverse walk splits into 16-chunk segments."""
     if layout == "varlen":
         return make_case(Hq=2, Hv=4, K=128, V=128, lengths=[130, 0, 64, 1, 257], device=DEV, l2norm=True)
+    if layout == "cp":
+        return make_case(Hq=1, Hv=2, K=128, V=128, lengths=[3000, 130, 0, 1100], device=DEV, l2norm=True)
     return make_case(B=2, T=300, Hq=2, Hv=4, K=128, V=128, device=DEV)
 
 
@@ -342,16 +345,20 @@ def test_saved_states_same_bits(layout, level):
     assert not torch.equal(zeroed.dq, recomputed.dq), "the backward did not read saved_states"
 
 
-@pytest.mark.parametrize("layout", ["varlen", "dense"])
+@pytest.mark.parametrize("layout", ["varlen", "dense", "cp"])
 def test_saved_states_scratch(layout, monkeypatch):
     """saved_states_scratch: the backward may overwrite the saved states once read. Without it
     they are left bitwise as the forward wrote them; with it the gradients are the same bits, the
     states are overwritten (their memory holds the dk, dq tiles), and the workspace is smaller by
-    S Hv 128 128 2 bytes (the out tiles' buffer gone)."""
+    S Hv 128 128 2 bytes (the out tiles' buffer gone). cp: the walk in segments (transfer walks,
+    the seeding walk, the segment walks), each chunk's state read before its tiles land on it."""
     from flashgdn import _C, _core
     c = _saved_states_case(layout)
     do, dht = inputs_of(c)
     kw = c.lowlevel_kwargs()
+    if layout == "cp":
+        kw.update(context_parallel=True, cp_segment=1024)
+    Hv = c.v.shape[2]
     rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, "default", c.use_gate_in_kernel)
     real = _C.backward_workspace_size
     asked = []
@@ -360,7 +367,7 @@ def test_saved_states_scratch(layout, monkeypatch):
         asked.append(real(**a))
         return asked[-1]
     monkeypatch.setattr(_C, "backward_workspace_size", spy)
-    saved = torch.empty((rows, 4, 128, 128), device=DEV, dtype=torch.bfloat16)
+    saved = torch.empty((rows, Hv, 128, 128), device=DEV, dtype=torch.bfloat16)
     _core.chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, saved_states=saved, **kw)
     written = saved.clone()
     kept = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, saved_states=saved, **kw)
@@ -375,13 +382,38 @@ def test_saved_states_scratch(layout, monkeypatch):
             assert (x is None and y is None) or torch.equal(x, y), f"{name}: scratch={scratch} changes the bits"
     assert not torch.equal(saved, written), "saved_states_scratch: the states' memory was not used"
     slots = rows - 1
-    assert sizes[0] - sizes[1] >= slots * 4 * 128 * 128 * 2, f"workspace {sizes[0]} -> {sizes[1]} bytes"
+    assert sizes[0] - sizes[1] >= slots * Hv * 128 * 128 * 2, f"workspace {sizes[0]} -> {sizes[1]} bytes"
 
 
-def test_autograd_backward_twice():
+def test_saved_states_scratch_is_an_output():
+    """As the backward's scratch the saved states are written: refused where they overlap an input
+    (here q), which read-only saved states may."""
+    from flashgdn import _core
+    c = _saved_states_case("varlen")
+    do, dht = inputs_of(c)
+    kw = c.lowlevel_kwargs()
+    rows = _core.saved_states_rows(c.q, c.k, c.v, c.cu_seqlens, "default", c.use_gate_in_kernel)
+    saved = torch.empty((rows, 4, 128, 128), device=DEV, dtype=torch.bfloat16)
+    _core.chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, saved_states=saved, **kw)
+    q_in_saved = saved.view(-1)[-c.q.numel():].view(c.q.shape)  # q's values in the states' last rows
+    q_in_saved.copy_(c.q)
+    inputs = (q_in_saved,) + c.inputs()[1:]
+    chunk_gated_delta_rule_bwd(*inputs, do, dht, saved_states=saved, **kw)  # read-only: accepted
+    with pytest.raises(ValueError, match="saved_states"):
+        chunk_gated_delta_rule_bwd(*inputs, do, dht, saved_states=saved, saved_states_scratch=True, **kw)
+
+
+def test_autograd_backward_twice(monkeypatch):
     """The first backward consumes the forward's saved states (its scratch); a second backward
     through the same graph (retain_graph) recomputes them: the same bits both times."""
-    from flashgdn import chunk_gated_delta_rule
+    from flashgdn import _core, chunk_gated_delta_rule
+    real = _core.chunk_gated_delta_rule_bwd
+    calls = []
+
+    def spy(*a, **kw):  # how each backward takes the saved states
+        calls.append((kw.get("saved_states") is not None, kw.get("saved_states_scratch", False)))
+        return real(*a, **kw)
+    monkeypatch.setattr(_core, "chunk_gated_delta_rule_bwd", spy)
     c = make_case(Hq=2, Hv=4, K=128, V=128, lengths=[200, 77], device=DEV, l2norm=True)
     do, dht = inputs_of(c)
     leaves = [x.clone().requires_grad_() for x in (c.q, c.k, c.v, c.g, c.beta)]
@@ -390,6 +422,7 @@ def test_autograd_backward_twice():
     loss = (o.float() * do.float()).sum() + (ht * dht).sum()
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     second = torch.autograd.grad(loss, leaves)
+    assert calls == [(True, True), (False, False)], f"saved states taken as {calls}"
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta"), first, second):
         assert torch.equal(x, y), f"{name}: the second backward differs from the first"
 
