@@ -302,6 +302,11 @@ def test_fused_reverse_cp_certificate_reads_the_keys():
 # ---- the states saved by the forward (fgdn_fwd_args.saved_states) --------------------------------
 
 
+def _bits(x):
+    """x's bits (torch.equal on them: NaNs, as the spare row's uninitialised memory may hold, equal)."""
+    return x.view(torch.int16)
+
+
 def _saved_states_case(layout):
     """A packed call with empty, one-token and aligned sequences, a dense one with a partial chunk,
     or (cp) a packed one whose long sequences the reverse walk splits into 16-chunk segments."""
@@ -371,7 +376,7 @@ def test_saved_states_scratch(layout, monkeypatch):
     _core.chunk_gated_delta_rule_fwd(*c.inputs(), output_final_state=True, saved_states=saved, **kw)
     written = saved.clone()
     kept = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, saved_states=saved, **kw)
-    assert torch.equal(saved, written), "saved_states changed without saved_states_scratch"
+    assert torch.equal(_bits(saved), _bits(written)), "saved_states changed without saved_states_scratch"
     sizes = []
     for scratch in (False, True):
         got = chunk_gated_delta_rule_bwd(*c.inputs(), do, dht, saved_states=saved,
@@ -380,7 +385,7 @@ def test_saved_states_scratch(layout, monkeypatch):
         for name in GRADS:
             x, y = getattr(got, name), getattr(kept, name)
             assert (x is None and y is None) or torch.equal(x, y), f"{name}: scratch={scratch} changes the bits"
-    assert not torch.equal(saved, written), "saved_states_scratch: the states' memory was not used"
+    assert not torch.equal(_bits(saved), _bits(written)), "saved_states_scratch: the states' memory was not used"
     slots = rows - 1
     assert sizes[0] - sizes[1] >= slots * Hv * 128 * 128 * 2, f"workspace {sizes[0]} -> {sizes[1]} bytes"
 
