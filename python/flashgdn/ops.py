@@ -5,8 +5,8 @@ Three ``torch.library.custom_op`` operators in the ``flashgdn`` namespace:
 * ``flashgdn::chunk_gated_delta_rule_fwd``  (functional) -> (o, final_state, checkpoints,
   saved_states: the chunk-start states written for the backward when ``save_states``, else empty)
 * ``flashgdn::chunk_gated_delta_rule_bwd``  (functional, but with ``saved_states_scratch``,
-  which overwrites ``saved_states``: the autograd backward's first call) -> (dq, dk, dv, dg,
-  dbeta, dA_log, ddt_bias, dh0)
+  which overwrites ``saved_states``: the autograd backward that releases its graph) -> (dq, dk,
+  dv, dg, dbeta, dA_log, ddt_bias, dh0)
 * ``flashgdn::chunk_gated_delta_rule_fwd_pool_`` (writes final states back into the rows of a
   state pool, ``initial_state``, selected by ``state_indices``; inference only) -> (o, checkpoints)
 
@@ -112,9 +112,9 @@ def _fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, ini
 # With saved_states_scratch the op overwrites saved_states once it has read them. Not declared as
 # a mutation on purpose: a declared one makes torch.compile copy them first (1.07 GB at 16/64,
 # 32768 tokens: the saving gone) and bumps their version, so that a second backward through the
-# graph could not unpack its saved tensors at all. The autograd backward below passes it only on
-# the first backward of a graph and never while tracing (a traced graph may be replayed), and
-# nothing else reads those states.
+# graph could not unpack its saved tensors at all. The autograd backward below passes it only
+# where its graph is released after it (no retain_graph: nothing reads the states again) and never
+# while tracing (a traced graph may be replayed).
 @torch.library.custom_op("flashgdn::chunk_gated_delta_rule_bwd", mutates_args=())
 def _bwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -170,10 +170,10 @@ def _setup_context(ctx, inputs, output):
      scale, l2norm, gate, v_first, _output_final_state, _checkpoint_every, check_inputs,
      precision, _final_state_dtype, context_parallel, cp_segment, _save_states) = inputs
     # the chunk-start states the forward wrote for the backward (save_states), if any: saved as the
-    # inputs are (checkpointing's and offloading's hooks see them), consumed by the first backward
+    # inputs are (checkpointing's and offloading's hooks see them), the scratch of the backward that
+    # releases the graph
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host,
                           initial_state, state_indices, output[3] if output[3].numel() > 0 else None)
-    ctx.states_consumed = False
     # the backward's too: its arithmetic and its reverse pass's context parallelism
     ctx.flags = (scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment)
     ctx.mark_non_differentiable(output[2], output[3])  # checkpoints, saved states
@@ -182,15 +182,22 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _graph_retained() -> bool:
+    """Whether the running backward keeps its graph (retain_graph=True), so that a later one reads
+    the saved tensors again. PyTorch's own flag of the running graph task; where a build lacks it,
+    assumed kept (the states then only read)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
+
+
 def _backward(ctx, do, dht, _dckpt, _dsaved):
     (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state,
      state_indices, saved) = ctx.saved_tensors
-    # The first eager backward of the graph takes the saved states as its scratch once read (its
-    # workspace 1.07 GB smaller at 16/64, 32768 tokens); a later one (retain_graph) recomputes
-    # them. While tracing (torch.compile) the states are only read.
-    if ctx.states_consumed:
-        saved = None
-    scratch = saved is not None and not torch.compiler.is_compiling()
+    # An eager backward that releases the graph takes the saved states as its scratch once read
+    # (its workspace 1.07 GB smaller at 16/64, 32768 tokens): no later backward reads them. With
+    # retain_graph, or while tracing (torch.compile: a traced backward may be replayed), they are
+    # only read.
+    scratch = saved is not None and not torch.compiler.is_compiling() and not _graph_retained()
     scale, l2norm, gate, v_first, check_inputs, precision, context_parallel, cp_segment = ctx.flags
     if state_indices is not None:
         raise NotImplementedError("flashgdn: no backward with state_indices (an inference option)")
@@ -205,7 +212,6 @@ def _backward(ctx, do, dht, _dckpt, _dsaved):
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_seqlens_host, initial_state, state_indices,
         scale, l2norm, gate, v_first, do, dht, need_dh0, check_inputs, precision, context_parallel, cp_segment,
         saved, scratch)
-    ctx.states_consumed = ctx.states_consumed or scratch
     grads = (dq, dk, dv, dg, dbeta,
              dA if gate and A_log is not None else None,
              ddt if gate and dt_bias is not None else None,
