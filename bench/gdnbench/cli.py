@@ -47,6 +47,11 @@ def _parse(argv):
     p.add_argument("--flashgdn-precision", default="default", choices=("default", "fast", "high"),
                    help="flashgdn's precision level for its calls, forward and backward (default: default); "
                         "the header and the accuracy table record it")
+    p.add_argument("--flashgdn-cp", default="auto", choices=("auto", "on", "off"),
+                   help="flashgdn's context parallelism in its calls, the forward's and the backward's reverse "
+                        "pass (default: auto, the library's decision); the header's flashgdn_cp records it")
+    p.add_argument("--flashgdn-cp-segment", type=int, default=0, metavar="TOKENS",
+                   help="with --flashgdn-cp on or auto: a fixed segment length in tokens (default 0: the plan's)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting cells after this many seconds (rest: 'skipped: time budget'); default 540")
     p.add_argument("--target-ms", type=float, default=300.0, help="timed device time per measurement (default 300 ms)")
@@ -61,7 +66,13 @@ def _parse(argv):
                         "contender is timed on a head configuration once its kernels are compiled "
                         "(default: min(16, CPUs); 0: off, each first call compiles in the timed process)")
     p.add_argument("--workers", type=int, default=None, help="with the prewarm command: processes (as --prewarm)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    seg = a.flashgdn_cp_segment
+    if seg < 0 or seg % 64 != 0 or seg > 1 << 30:  # the library's bound (fgdn cp_segment)
+        p.error(f"--flashgdn-cp-segment: expected 0 or a positive multiple of 64 up to 2^30, got {seg}")
+    if seg and a.flashgdn_cp == "off":
+        p.error(f"--flashgdn-cp-segment: a segment length needs --flashgdn-cp on or auto, got {seg} with off")
+    return a
 
 
 def select_cells(a) -> List[C.Cell]:
@@ -121,6 +132,18 @@ def flashgdn_backward() -> str:
     return "staged (FLASHGDN_BWD_FUSED=0)"
 
 
+def flashgdn_cp(a) -> str:
+    """flashgdn's context parallelism as the header records it: auto, on or off, and a fixed segment."""
+    return a.flashgdn_cp + (f", segment {a.flashgdn_cp_segment} tokens" if a.flashgdn_cp_segment else "")
+
+
+def configure_flashgdn(obj, a) -> None:
+    """flashgdn's options from the command line: its level and its context parallelism."""
+    obj.precision = a.flashgdn_precision
+    obj.context_parallel = {"auto": None, "on": True, "off": False}[a.flashgdn_cp]
+    obj.cp_segment = a.flashgdn_cp_segment
+
+
 def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
     props = torch.cuda.get_device_properties(0)
     try:
@@ -143,6 +166,7 @@ def header(a, torch, loaded: Dict, ceilings: Dict) -> Dict:
         "qk_norms": ", ".join(C.parse_qk_norms(a.qk_norm)),
         "flashgdn_precision": a.flashgdn_precision,
         "flashgdn_backward": flashgdn_backward(),
+        "flashgdn_cp": flashgdn_cp(a),
         "argv": " ".join(sys.argv[1:]),
         "copy_GBps": round(ceilings["copy_bytes_per_s"] / 1e9, 1),
         "bf16_TFLOPs": round(ceilings["bf16_flop_per_s"] / 1e12, 1),
@@ -286,7 +310,7 @@ def main(argv=None) -> int:
     for n in names:
         obj = ALL[n]()
         if n == "flashgdn":
-            obj.precision = a.flashgdn_precision
+            configure_flashgdn(obj, a)
         try:
             obj.load()
             loaded[n] = (obj, "")

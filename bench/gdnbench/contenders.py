@@ -78,6 +78,10 @@ def _norm(x: Dict) -> bool:
 class FlashGDN(Contender):
     name = "flashgdn"
     precision = "default"  # the level its calls take (--flashgdn-precision), the forward's and the backward's
+    # Its context parallelism (--flashgdn-cp: None automatic, True on, False off; --flashgdn-cp-segment),
+    # the forward's and, through autograd, the backward's reverse pass.
+    context_parallel = None
+    cp_segment = 0
 
     def load(self):
         try:
@@ -98,7 +102,8 @@ class FlashGDN(Contender):
         return self.mod.chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
             output_final_state=True, use_qk_l2norm_in_kernel=_norm(x), cu_seqlens=x["cu"],
-            cu_seqlens_cpu=x["cu_host"], precision=self.precision)
+            cu_seqlens_cpu=x["cu_host"], precision=self.precision, context_parallel=self.context_parallel,
+            cp_segment=self.cp_segment)
 
 
 class FlashQLA(Contender):

@@ -124,7 +124,7 @@ def markdown(hdr: Dict, rows: List[Dict], acc: Dict) -> str:
     L = [f"# flashgdn benchmark: {hdr.get('gpu', '?')}, {hdr.get('date', '?')}", ""]
     L += ["| | |", "|---|---|"]
     for k in ("gpu", "sm_count", "l2_mb", "driver", "torch", "cuda", "triton", "python", "flashgdn_commit",
-              "flashgdn_precision", "flashgdn_backward", "selection", "qk_norms", "argv", "copy_GBps",
+              "flashgdn_precision", "flashgdn_backward", "flashgdn_cp", "selection", "qk_norms", "argv", "copy_GBps",
               "bf16_TFLOPs", "oracle", "check_shape", "wall_s", "parts"):
         if k in hdr:
             L.append(f"| {k} | {hdr[k]} |")

@@ -685,6 +685,39 @@ def test_flashgdn_precision_reaches_its_calls():
     assert r.returncode != 0 and "--flashgdn-precision" in r.stderr and "invalid choice" in r.stderr
 
 
+def test_flashgdn_cp_reaches_its_calls():
+    """--flashgdn-cp and --flashgdn-cp-segment set the context parallelism of flashgdn's calls (for
+    automatic against off or a fixed segment on the same rows); the header records them; the options
+    take only what the library accepts."""
+    from gdnbench import cli
+    from gdnbench.contenders import FlashGDN
+    seen = {}
+
+    class Stub:
+        @staticmethod
+        def chunk_gated_delta_rule(*args, **kwargs):
+            seen.update(kwargs)
+
+    f = FlashGDN()
+    f.mod = Stub()
+    x = dict(q=None, k=None, v=None, g=None, beta=None, scale=0.1, h0=None, cu=None, cu_host=None, qk_norm="in_kernel")
+    f.call(x)
+    assert seen["context_parallel"] is None and seen["cp_segment"] == 0
+    for argv, want in ((["--flashgdn-cp", "off"], (False, 0, "off")),
+                       (["--flashgdn-cp", "on", "--flashgdn-cp-segment", "1024"], (True, 1024, "on, segment 1024 tokens")),
+                       ([], (None, 0, "auto"))):
+        a = cli._parse(["--quick"] + argv)
+        cli.configure_flashgdn(f, a)
+        f.call(x)
+        assert (seen["context_parallel"], seen["cp_segment"]) == want[:2], argv
+        assert f"| flashgdn_cp | {want[2]} |" in R.markdown({"gpu": "G", "date": "D", "flashgdn_cp": cli.flashgdn_cp(a)}, [], {})
+    for argv, msg in ((["--flashgdn-cp", "off", "--flashgdn-cp-segment", "1024"], "needs --flashgdn-cp on or auto"),
+                      (["--flashgdn-cp-segment", "100"], "multiple of 64"),
+                      (["--flashgdn-cp", "sometimes"], "invalid choice")):
+        r = _run_script("--quick", "--list", *argv)
+        assert r.returncode != 0 and "--flashgdn-cp" in r.stderr and msg in r.stderr, r.stderr
+
+
 def test_header_says_which_backward_and_level_flashgdn_ran(monkeypatch):
     """The results' header names flashgdn's level and its backward: the fused kernel unless
     FLASHGDN_BWD_FUSED reads as 0 (std::atoi, as the library reads it), else the staged one; the
