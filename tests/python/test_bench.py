@@ -660,9 +660,9 @@ def test_without_flashgdn_its_cells_say_not_installed_and_the_oracle_is_torch():
     assert oracle.rel_l2(o, ref["o"]) < 1e-7 and oracle.rel_l2(ht, ref["ht"]) < 1e-7  # bench/README.md: 1e-8
 
 
-def test_flashgdn_precision_reaches_its_calls():
-    """--flashgdn-precision sets the level of flashgdn's calls (the forward's, and through autograd
-    the backward's): the contender passes it on; the option takes only the library's levels."""
+def _flashgdn_stub():
+    """The benchmark's flashgdn contender over a stub module: the keyword arguments of its last
+    call land in `seen`."""
     from gdnbench.contenders import FlashGDN
     seen = {}
 
@@ -674,6 +674,13 @@ def test_flashgdn_precision_reaches_its_calls():
     f = FlashGDN()
     f.mod = Stub()
     x = dict(q=None, k=None, v=None, g=None, beta=None, scale=0.1, h0=None, cu=None, cu_host=None, qk_norm="in_kernel")
+    return f, x, seen
+
+
+def test_flashgdn_precision_reaches_its_calls():
+    """--flashgdn-precision sets the level of flashgdn's calls (the forward's, and through autograd
+    the backward's): the contender passes it on; the option takes only the library's levels."""
+    f, x, seen = _flashgdn_stub()
     f.call(x)
     assert seen["precision"] == "default"
     f.precision = "fast"
@@ -690,17 +697,7 @@ def test_flashgdn_cp_reaches_its_calls():
     automatic against off or a fixed segment on the same rows); the header records them; the options
     take only what the library accepts."""
     from gdnbench import cli
-    from gdnbench.contenders import FlashGDN
-    seen = {}
-
-    class Stub:
-        @staticmethod
-        def chunk_gated_delta_rule(*args, **kwargs):
-            seen.update(kwargs)
-
-    f = FlashGDN()
-    f.mod = Stub()
-    x = dict(q=None, k=None, v=None, g=None, beta=None, scale=0.1, h0=None, cu=None, cu_host=None, qk_norm="in_kernel")
+    f, x, seen = _flashgdn_stub()
     f.call(x)
     assert seen["context_parallel"] is None and seen["cp_segment"] == 0
     for argv, want in ((["--flashgdn-cp", "off"], (False, 0, "off")),
