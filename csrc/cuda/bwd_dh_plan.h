@@ -62,6 +62,19 @@ inline int64_t fused_walks_per_chain(const Problem& p, int sms) {
   return k < 2 ? 0 : k;
 }
 
+// The fused reverse CP's fp32 128 x 128 matrices, per chain of S segments (the plan's), only those
+// a walk or the scan uses: the seeds of segments 0 .. S - 2 (the last segment starts from
+// d_final_state) and the transfers B_s, A_s of segments 1 .. S - 2 (segment 0's carry is never
+// transferred, the last one's is walked whole): 3 S - 5, against 3 S a chain for every segment's.
+// Chain n Hv + h's first at (n Hv + h) fused_cp_per_chain(S); within it, in segment order, B_s,
+// A_s, seed_s at 3 s - 2, 3 s - 1, 3 s (seed_0 at 0): an offset within a chain depends on s alone,
+// in 32 bits (the scan, at 80 registers, spilled with 64-bit offsets).
+constexpr int64_t fused_cp_per_chain(int64_t S) { return S > 1 ? 3 * S - 5 : 0; }
+// The seed of segment s (0 <= s <= S - 2): the carry at its end.
+constexpr int fused_cp_seed(int s) { return 3 * s; }
+// The transfer of segment s (1 <= s <= S - 2): which 0 B_s, which 1 A_s.
+constexpr int fused_cp_map(int s, int which) { return 3 * s - 2 + which; }
+
 // The longest sequence in chunks: from the lengths where the call has them on the host (dense:
 // the shapes; varlen: a call, not a workspace query), else the packed total, its upper bound.
 // The fused plan cuts by it, so that packed sequences get their own share of the wave: 2/4, four

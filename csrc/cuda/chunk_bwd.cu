@@ -188,8 +188,7 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.dbeta = reinterpret_cast<float*>(f + F.off[F.kDbeta]);
   B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);
   B.row_scale = p.l2norm ? reinterpret_cast<float*>(f + F.off[F.kRowScale]) : nullptr;
-  B.maps = reinterpret_cast<float*>(f + F.off[F.kMaps]);
-  B.seeds = reinterpret_cast<float*>(f + F.off[F.kSeeds]);
+  B.cp = reinterpret_cast<float*>(f + F.off[F.kCp]);
   B.seg_chunks = F.seg_chunks;
   B.segments = F.segments;
   bwd::launch_bwd_fused(P, a, B, stream);

@@ -79,7 +79,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   // lengths take, so that a workspace sized by the query (no lengths) always suffices.
   const DhPlan plan = dh_plan_segments(p, sm_count(p.device_id), /*fused=*/true);
   const int32_t capacity = fused_segments_capacity(p, sm_count(p.device_id));
-  const size_t cp = capacity > 1 ? static_cast<size_t>(p.N) * Hv * capacity * D * D * 4 : 0;
+  const size_t cp = static_cast<size_t>(p.N) * Hv * fused_cp_per_chain(capacity) * D * D * 4;
   const size_t sizes[FusedLayout::kCount] = {
       S * C * Hq * D * 2, S * C * Hq * D * 2,  // q16, k16
       vo, vo,                                  // v16, do16
@@ -91,7 +91,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
       S * Hv * C * 4, S * Hv * C * 4,          // dg, dbeta
       S * Hv * 4,                              // bound
       p.l2norm ? S * Hq * 2 * C * 4 : 0,       // row_scale (the in-kernel l2norm's backward alone)
-      2 * cp, cp,                              // maps, seeds
+      cp,                                      // cp
   };
   FusedLayout L{};
   L.vo_direct = direct;
@@ -149,8 +149,7 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.scale = P.scale;
   K.seg_chunks = F.seg_chunks;
   K.segments = F.segments;
-  K.cp_maps = F.maps;
-  K.cp_seeds = F.seeds;
+  K.cp = F.cp;
   K.bound = F.bound;
   // `default` stages T diag(beta), dV_new and R in fp16, each tile scaled (fk::fused_bwd's
   // kF16Island); `fast` stages them in bf16, as every other intermediate.

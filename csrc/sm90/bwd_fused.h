@@ -25,7 +25,7 @@ bool fused_backward_applies(const Problem& p);
 // call's partial chunk is at its row's end, where the map reads zeros). dv_direct: dv stored in
 // place, a packed sequence's tail through kDvTail (the reduce step copies its rows out).
 struct FusedLayout {
-  enum { kQ16, kK16, kV16, kDo16, kVTail, kDoTail, kDvTail, kGates, kAr, kOut, kDg, kDbeta, kBound, kRowScale, kMaps, kSeeds, kCount };
+  enum { kQ16, kK16, kV16, kDo16, kVTail, kDoTail, kDvTail, kGates, kAr, kOut, kDg, kDbeta, kBound, kRowScale, kCp, kCount };
   size_t off[kCount];
   size_t bytes;
   bool vo_direct;
@@ -38,8 +38,8 @@ struct FusedLayout {
   // reader of h follows the walk). Where h is the caller's saved_states, only with their consent
   // (fgdn_bwd_args::saved_states_scratch).
   bool out_in_states;
-  // Reverse CP (bwd_dh_plan.h's segments; 1: none): per (chain, segment) the transfer A_s, B_s
-  // (kMaps: 2 fp32 128 x 128 matrices) and the seed (kSeeds: one).
+  // Reverse CP (bwd_dh_plan.h's segments; 1: none): kCp, per chain the seeds and transfers the
+  // walks and the scan use (bwd_dh_plan.h's fused_cp_per_chain: 3 S - 5 fp32 128 x 128 matrices).
   int32_t seg_chunks, segments;
 };
 FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a);
@@ -60,7 +60,7 @@ struct FusedBuffers {
   float* bound;                           // [slot Hv + h]: reverse CP's certificate (fused_bwd::Params)
   float* row_scale;                       // [slot Hq + hq][2][64]: q's, k's 1 / ||x|| (l2norm, else null; the
                                           // prep's, for the reduce's norm backward)
-  float *maps, *seeds;                    // reverse CP (FusedLayout::kMaps, kSeeds)
+  float* cp;                              // reverse CP's seeds and transfers (FusedLayout::kCp)
   int32_t seg_chunks, segments;
 };
 

@@ -48,16 +48,17 @@ struct Params {
   // chunks in segments of seg_chunks, `segments` of them at most; gridDim.z counts them
   // (bwd_fused_scheduler.cuh's walk_kind).
   //   phase 1: z = 2 s + which. The last segment walked from dht, writing gradients, its start
-  //            carry to cp_seeds[chain][s - 1]; a segment 1 <= s < last walked for its transfer
+  //            carry to the seed of s - 1; a segment 1 <= s < last walked for its transfer
   //            dS_in -> A_s dS_in + B_s only (no gradient written): which = 0 from dS = 0 with dO
   //            gives B_s, which = 1 from dS = I with dO = 0 gives A_s (the carry is affine in dS,
   //            linear in dO; K = V, so I is a carry; not run where transfer_negligible); the
-  //            final dS to cp_maps[chain][s][which] (fp32 [128][128]).
-  //   phase 0: z = s, segment s < last walked from cp_seeds[chain][s], the scan's dS at its end
+  //            final dS to its transfer `which` (fp32 [128][128]).
+  //   phase 0: z = s, segment s < last walked from its seed, the scan's dS at its end
   //            (the whole sequence from dht without a split).
   int32_t seg_chunks, segments, phase;
-  float* cp_maps;
-  float* cp_seeds;
+  // The seeds and transfers, chain n Hv + h's at bwd_dh_plan.h's fused_cp_seed, fused_cp_map
+  // (S = segments), a 128 x 128 fp32 matrix each.
+  float* cp;
   const float* bound;  // [slot Hv + h]: the certificate's log bound of a chunk (transfer_negligible)
 };
 

@@ -1,4 +1,5 @@
 // The fused backward's step 3b (bwd_fused.cu): the reverse CP scan over each chain's segments.
+#include "cuda/bwd_dh_plan.h"
 #include "sm90/bwd_fused.h"
 #include "sm90/bwd_fused_scheduler.cuh"
 
@@ -11,7 +12,7 @@ constexpr int kD = 128;
 
 // Per (sequence, value head, 8 columns of the carry): X = the seed phase 1's walk of the last
 // segment S - 1 left for S - 2, then for the segments s = S - 2 .. 1: X = A_s X + B_s (fp32), the
-// carry at segment s - 1's end, to seeds[s - 1] (nothing to do for S <= 2). The carry's columns
+// carry at segment s - 1's end, to the seed of s - 1 (nothing to do for S <= 2). The carry's columns
 // evolve independently (every product of the walk multiplies dS from the left), so 16 CTAs share
 // a chain. A thread: one column, rows r0 + 32 j; A_s's rows padded to 132 floats so that a warp's
 // four consecutive rows are four float4s in distinct banks.
@@ -29,9 +30,12 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
   if (segs <= 2) return;
   auto& S = dynamic_smem_1024<ScanSmem>();
   const int col = tid % kScanCols, v = blockIdx.z * kScanCols + col, r0 = tid / kScanCols;
-  const size_t chain = (size_t(n) * K.Hv + h) * K.segments;
+  // The chain's first matrix; a matrix at its offset within the chain (bwd_dh_plan.h).
+  const size_t chain = (size_t(n) * K.Hv + h) * fused_cp_per_chain(K.segments);
   float x[kScanRows];
-  const float* last_seed = K.cp_seeds + (chain + segs - 2) * kD * kD;
+  // The seed of segments - 2, written so (fused_cp_seed is linear) because ptxas spilled 4 bytes
+  // at 80 registers for fused_cp_seed(segs - 2).
+  const float* last_seed = K.cp + (chain + fused_cp_seed(segs) - fused_cp_seed(2)) * kD * kD;
 #pragma unroll
   for (int j = 0; j < kScanRows; ++j) {
     x[j] = last_seed[(r0 + 32 * j) * kD + v];
@@ -45,7 +49,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
   constexpr int kALoads = kD * kD / 4 / kScanThreads, kAPart = kALoads / 2;
   float nb[kScanRows];
   const auto fetch = [&](int s) {
-    const float* Bm = K.cp_maps + (chain + s) * 2 * kD * kD;
+    const float* Bm = K.cp + (chain + fused_cp_map(s, 0)) * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) nb[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
     const int first = s * K.seg_chunks;
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) x[j] = nb[j];
     if (need) {
-      const float4* A = reinterpret_cast<const float4*>(K.cp_maps + ((chain + s) * 2 + 1) * kD * kD);
+      const float4* A = reinterpret_cast<const float4*>(K.cp + (chain + fused_cp_map(s, 1)) * kD * kD);
 #pragma unroll
       for (int part = 0; part < kALoads / kAPart; ++part) {
         float4 a[kAPart];
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
       }
     }
     __syncthreads();  // every read of X and A_s done
-    float* seed = K.cp_seeds + (chain + s - 1) * kD * kD;
+    float* seed = K.cp + (chain + fused_cp_seed(s - 1)) * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) {
       S.x[r0 + 32 * j][col] = x[j];

@@ -202,6 +202,32 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
 // The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
 // four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
 // (the last one shorter) that cover every slot.
+// The fused reverse CP's matrices (bwd_fused_kernel.cuh, bwd_fused_scan.cu): every seed and
+// transfer a chain's walks and scan use at a distinct index inside the chain's 3 S - 5 (chain
+// c's from c fused_cp_per_chain(S)), none unused, for any segments S the plan takes.
+TEST(BwdDhPlan, FusedCpMatricesDistinctAndInside) {
+  using flashgdn::cuda::bwd::fused_cp_map;
+  using flashgdn::cuda::bwd::fused_cp_per_chain;
+  using flashgdn::cuda::bwd::fused_cp_seed;
+  EXPECT_EQ(fused_cp_per_chain(1), 0);
+  EXPECT_EQ(fused_cp_per_chain(2), 1);  // segment 0's seed alone
+  for (int64_t S = 2; S <= 40; ++S) {
+    const int64_t per = fused_cp_per_chain(S);
+    for (int64_t chain = 0; chain < 3; ++chain) {
+      std::vector<int> used(static_cast<size_t>(per), 0);
+      const auto take = [&](int64_t i) {
+        ASSERT_GE(i, chain * per) << "S " << S;
+        ASSERT_LT(i, (chain + 1) * per) << "S " << S;
+        ++used[static_cast<size_t>(i - chain * per)];
+      };
+      for (int s = 0; s <= S - 2; ++s) take(chain * per + fused_cp_seed(s));
+      for (int s = 1; s <= S - 2; ++s)
+        for (int which = 0; which < 2; ++which) take(chain * per + fused_cp_map(s, which));
+      EXPECT_TRUE(std::all_of(used.begin(), used.end(), [](int u) { return u == 1; })) << "S " << S;
+    }
+  }
+}
+
 TEST(BwdBlockPlan, OneBlockWhenSmallOrSplit) {
   const size_t per_slot = 290 * 1024 * 64;  // D = 128, Hv = 64
   const BlockPlan small = block_plan(20, per_slot, 64, 132, false, 0);
