@@ -379,14 +379,16 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     float ds[2][2][32];
     // The carry at the walk's start: d_final_state (the sequence's end), the scan's seed (a
     // segment before it), or phase 1's 0 or I.
-    // The chain's first reverse-CP matrix (bwd_dh_plan.h's fused_cp_per_chain, fused_cp_seed, _map).
-    const size_t cp_chain = (size_t(n_seq) * P.Hv + h) * cuda::bwd::fused_cp_per_chain(P.segments);
+    // The chain's reverse-CP matrices (bwd_dh_plan.h's fused_cp_per_chain, fused_cp_seed, _map),
+    // addressed from one pointer a walk (a 64-bit index an element cost 4 instructions each).
+    float* const cp_chain = P.cp + (size_t(n_seq) * P.Hv + h) * cuda::bwd::fused_cp_per_chain(P.segments) * 16384;
+    const float* const seed = cp_chain + cuda::bwd::fused_cp_seed(seg) * 16384;
     each_carry([&](int m, int hf, int e) {
       if (transfer) {
         const CarryAt c = carry_at(m, hf, e);
         ds[m][hf][e] = zero_do && c.a == c.v ? 1.f : 0.f;
       } else if (!from_dht) {
-        ds[m][hf][e] = P.cp[(cp_chain + cuda::bwd::fused_cp_seed(seg)) * 16384 + carry_off(m, hf, e)];
+        ds[m][hf][e] = seed[carry_off(m, hf, e)];
       } else {
         ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
       }
@@ -445,7 +447,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     const bool seeding = phase1 && !transfer;  // the last segment's: its start carry seeds seg - 1
     if (transfer || seeding) {  // A_s or B_s, or the seed of the segment before
       const int mat = transfer ? cuda::bwd::fused_cp_map(seg, zero_do ? 1 : 0) : cuda::bwd::fused_cp_seed(seg - 1);
-      float* map = P.cp + (cp_chain + mat) * 16384;
+      float* map = cp_chain + mat * 16384;
       each_carry([&](int m, int hf, int e) { map[carry_off(m, hf, e)] = ds[m][hf][e]; });
     } else if (P.want_dh0 && seg == 0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
       const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;
