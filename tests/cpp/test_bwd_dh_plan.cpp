@@ -199,9 +199,6 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
   }
 }
 
-// The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
-// four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
-// (the last one shorter) that cover every slot.
 // The fused reverse CP's matrices (bwd_fused_kernel.cuh, bwd_fused_scan.cu): every seed and
 // transfer a chain's walks and scan use at a distinct index inside the chain's 3 S - 5 (chain
 // c's from c fused_cp_per_chain(S)), none unused, for any segments S the plan takes.
@@ -228,6 +225,9 @@ TEST(BwdDhPlan, FusedCpMatricesDistinctAndInside) {
   }
 }
 
+// The blocks of chunk slots (block_plan): one block below kBlockBytes of per-chunk workspace or
+// four waves of the per-chunk grids, or where the reverse pass splits; else blocks of whole waves
+// (the last one shorter) that cover every slot.
 TEST(BwdBlockPlan, OneBlockWhenSmallOrSplit) {
   const size_t per_slot = 290 * 1024 * 64;  // D = 128, Hv = 64
   const BlockPlan small = block_plan(20, per_slot, 64, 132, false, 0);
