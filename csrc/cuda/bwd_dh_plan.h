@@ -51,13 +51,24 @@ struct DhPlan {
 // (A_s only where the gates do not certify it away), phase 0 segments 0 .. S - 2. Automatically
 // S - 1 = k walks a chain, k as many as fit 7/8 of a wave (the rest for the A_s walks: 15
 // segments at 8 chains on 132 SMs, 112 walks and the 13 A_s walks of one head without decay);
-// where that is 1, k = 2 if 2 N Hv <= SMs: 3 segments, 2/3 of the unsplit walk's chunk steps
-// when the A_s walks fit the wave's rest, the unsplit walk's when they take a second wave.
+// where that is 1, k = 2 if 2 N Hv <= SMs and the longest sequence has kFusedThreeSegmentMinChunks
+// chunks: 3 segments, 2/3 of the unsplit walk's chunk steps when the A_s walks fit the wave's
+// rest, the unsplit walk's when they take a second wave.
+//
+// The three segments save a share of the unsplit walk's chunk steps (phase 1 ~0.62 L, a transfer
+// step's cost, and phase 0 L, of 2.4 L) and cost a fixed part (phase 1's launch and prologue, the
+// scan): split minus unsplit is linear in the chunks. Measured at 2/8, 64 chains (H200,
+// 2026-11-30, q/k in the call, bwd; bench/results/h200-2026-11-30/bwd-2-8-cp.md): 8 sequences of
+// 16 chunks 0.361 ms split against 0.323 unsplit, of 64 chunks 0.863 against 0.891: even at ~44
+// chunks. The floor applies to this fallback alone, where it was measured (its A_s walks overflow
+// the wave); k >= 3 keeps its gain on short sequences (4 x 32 chunks: 0.363 against 0.467 unsplit).
+constexpr int64_t kFusedThreeSegmentMinChunks = 48;
 // The fused plan's walks a chain and launch, S - 1 = k (0: no automatic split); see below.
-inline int64_t fused_walks_per_chain(const Problem& p, int sms) {
+// longest: the longest sequence's chunks (an upper bound of them for the workspace's capacity).
+inline int64_t fused_walks_per_chain(const Problem& p, int sms, int64_t longest) {
   const int64_t c = std::max<int64_t>(p.N * p.Hv, 1);
   int64_t k = (sms - sms / 8) / c;
-  if (k < 2 && 2 * c <= sms) k = 2;
+  if (k < 2 && 2 * c <= sms && longest >= kFusedThreeSegmentMinChunks) k = 2;
   if (p.context_parallel != FGDN_CONTEXT_PARALLEL_AUTO) k = std::max<int64_t>(k, kDhMinSegments - 1);
   return k < 2 ? 0 : k;
 }
@@ -99,7 +110,7 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
   } else {
     const int64_t c = std::max<int64_t>(chains, 1);
     if (fused) {
-      const int64_t k = fused_walks_per_chain(p, sms);
+      const int64_t k = fused_walks_per_chain(p, sms, longest);
       if (k == 0) return d;
       // Phase 1 walks the last segment whole and the others' transfers, carry-only walks at r of
       // a whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
@@ -127,7 +138,8 @@ inline int32_t fused_segments_capacity(const Problem& p, int sms) {
   bound.have_host_seqlens = false;
   const DhPlan b = dh_plan_segments(bound, sms, true);
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0 || p.cp_segment > 0) return b.segments;
-  const int64_t k = fused_walks_per_chain(p, sms);
+  // The packed total bounds every sequence's chunks, and k does not fall as they grow.
+  const int64_t k = fused_walks_per_chain(p, sms, (p.T + kDhChunk - 1) / kDhChunk);
   return k == 0 ? b.segments : std::max<int32_t>(b.segments, static_cast<int32_t>(k + 1));
 }
 

@@ -19,6 +19,7 @@ using flashgdn::cuda::bwd::DhPlan;
 using flashgdn::cuda::bwd::block_plan;
 using flashgdn::cuda::bwd::BlockPlan;
 using flashgdn::cuda::bwd::kBlockBytes;
+using flashgdn::cuda::bwd::kFusedThreeSegmentMinChunks;
 
 constexpr int kH100Sms = 132;
 
@@ -135,6 +136,14 @@ TEST(BwdDhPlan, FusedWalksFillOneWave) {
   EXPECT_EQ(dh_plan_segments(shape(4, 2048, 4), kH100Sms, true).chunks, 5);
   EXPECT_EQ(dh_plan_segments(shape(4, 2048, 4), kH100Sms, true).segments, 7);
   EXPECT_EQ(dh_plan_segments(shape(4, 8192, 64), kH100Sms, true).segments, 1);    // 256 chains
+  // 2/8, 64 chains: three segments only from kFusedThreeSegmentMinChunks chunks (8 x 1024 tokens:
+  // 16 chunks, unsplit; 8 x 4096: 64, three segments; 8 x 3008: 47, unsplit).
+  EXPECT_EQ(dh_plan_segments(shape(8, 1024, 8), kH100Sms, true).segments, 1);
+  EXPECT_EQ(dh_plan_segments(shape(8, 4096, 8), kH100Sms, true).segments, 3);
+  EXPECT_EQ(dh_plan_segments(shape(8, 3008, 8), kH100Sms, true).segments, 1);
+  EXPECT_EQ(dh_plan_segments(shape(8, 3072, 8), kH100Sms, true).segments, 3);
+  // Forced on, the floor does not apply.
+  EXPECT_EQ(dh_plan_segments(shape(8, 1024, 8, FGDN_CONTEXT_PARALLEL_ON), kH100Sms, true).segments, 4);
   std::mt19937_64 rng(20261129);
   for (int i = 0; i < 20000; ++i) {
     const int64_t N = 1 + static_cast<int64_t>(rng() % 16), Hv = 1 + static_cast<int64_t>(rng() % 64);
@@ -142,9 +151,15 @@ TEST(BwdDhPlan, FusedWalksFillOneWave) {
     const int sms = 1 + static_cast<int>(rng() % 200);
     const DhPlan d = dh_plan_segments(shape(N, T, Hv), sms, true);
     const int64_t chunks = (T + 63) / 64;
-    if (d.segments == 1) {  // unsplit: too many chains, or too few chunks for three segments of 4
-      ASSERT_TRUE(2 * N * Hv > sms || chunks <= 8) << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
+    if (d.segments == 1) {  // unsplit: too many chains, or too few chunks for three segments of 4,
+                            // or for the three-segment split's floor
+      const bool three = (sms - sms / 8) / (N * Hv) < 2;
+      ASSERT_TRUE(2 * N * Hv > sms || chunks <= 8 || (three && chunks < kFusedThreeSegmentMinChunks))
+          << "N " << N << " T " << T << " Hv " << Hv << " sms " << sms;
       continue;
+    }
+    if ((sms - sms / 8) / (N * Hv) < 2) {
+      ASSERT_GE(chunks, kFusedThreeSegmentMinChunks);
     }
     ASSERT_GE(d.chunks, 4);
     ASSERT_GE(d.chunks * d.segments, chunks);
