@@ -530,6 +530,7 @@ bool capturing([[maybe_unused]] const Problem& p, [[maybe_unused]] void* stream)
 // host state indices.
 void read_values(const Checker& c, Problem& p, const fgdn_inputs& in, bool pool_written,
                  void* stream) {
+  p.capturing = capturing(p, stream);
   if (p.varlen) {
     const bool have_copy = present(in.cu_seqlens_host);
     const char* src_name = have_copy ? "cu_seqlens_host" : "cu_seqlens";

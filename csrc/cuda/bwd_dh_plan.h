@@ -87,12 +87,14 @@ constexpr int fused_cp_seed(int s) { return 3 * s; }
 constexpr int fused_cp_map(int s, int which) { return 3 * s - 2 + which; }
 
 // The longest sequence in chunks: from the lengths where the call has them on the host (dense:
-// the shapes; varlen: a call, not a workspace query), else the packed total, its upper bound.
+// the shapes; varlen: a call, not a workspace query, nor a call a CUDA graph captures: a replay
+// may lengthen a sequence past the capture's longest, whose segments the plan's grid and
+// matrices would not hold), else the packed total, its upper bound.
 // The fused plan cuts by it, so that packed sequences get their own share of the wave: 2/4, four
 // 8192-token sequences, cut by the packed total (512 chunks) took two 70-chunk segments a chain,
 // walked one after the other (2.54 ms against 1.35 for one 32768-token sequence; H200, 2026-11-29).
 inline int64_t longest_chunks(const Problem& p) {
-  if (!p.varlen || !p.have_host_seqlens || p.cu.size() != static_cast<size_t>(p.N) + 1)
+  if (!p.varlen || !p.have_host_seqlens || p.capturing || p.cu.size() != static_cast<size_t>(p.N) + 1)
     return (p.T + kDhChunk - 1) / kDhChunk;
   int64_t longest = 0;
   for (int64_t n = 0; n < p.N; ++n) longest = std::max(longest, p.seq(n).len);

@@ -191,6 +191,12 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
   EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).chunks, 18);
   EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).segments, 8);
   EXPECT_EQ(fused_segments_capacity(with, kH100Sms), 8);
+  // A call a CUDA graph captures plans by the packed total (a replay may change the lengths): the
+  // plan of the shapes, which holds every sequence of any lengths with that total.
+  Problem captured = with;
+  captured.capturing = true;
+  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).chunks, 70);
+  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).segments, dh_plan_segments(without, kH100Sms, true).segments);
   std::mt19937_64 rng(20261130);
   for (int i = 0; i < 20000; ++i) {
     const int64_t N = 1 + static_cast<int64_t>(rng() % 12), Hv = 1 + static_cast<int64_t>(rng() % 64);
@@ -211,6 +217,16 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
       ASSERT_GE(d.chunks * d.segments, longest);
       ASSERT_LT(d.chunks * (d.segments - 1), longest);
     }
+    // Captured: every sequence a replay may bring (any lengths of the same total) fits the plan's
+    // segments, and the workspace holds them.
+    Problem cap = p;
+    cap.capturing = true;
+    const DhPlan dc = dh_plan_segments(cap, sms, true);
+    const int64_t total = (p.T + 63) / 64;
+    if (dc.segments > 1) {
+      ASSERT_GE(dc.chunks * dc.segments, total) << "N " << N << " Hv " << Hv << " sms " << sms;
+    }
+    ASSERT_LE(dc.segments, fused_segments_capacity(p, sms));
   }
 }
 
