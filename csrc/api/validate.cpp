@@ -530,11 +530,11 @@ bool capturing([[maybe_unused]] const Problem& p, [[maybe_unused]] void* stream)
 // host state indices.
 void read_values(const Checker& c, Problem& p, const fgdn_inputs& in, bool pool_written,
                  void* stream) {
-  p.capturing = capturing(p, stream);
   if (p.varlen) {
+    p.capturing = capturing(p, stream);
     const bool have_copy = present(in.cu_seqlens_host);
     const char* src_name = have_copy ? "cu_seqlens_host" : "cu_seqlens";
-    if (!have_copy && in.cu_seqlens.device_type == FGDN_CUDA && capturing(p, stream))
+    if (!have_copy && in.cu_seqlens.device_type == FGDN_CUDA && p.capturing)
       c.fail("cu_seqlens", "its host copy cu_seqlens_host while the stream captures a CUDA graph "
              "(reading a device tensor back waits for the stream, which capture forbids)",
              "a device tensor and no host copy");

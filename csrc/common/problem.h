@@ -28,8 +28,9 @@ struct Problem {
   // query, which reads no values) from cu_seqlens_host or cu_seqlens.
   bool have_host_seqlens = false;
   std::vector<int64_t> cu;
-  // The call's stream captures a CUDA graph (set in a call). A replay may change cu_seqlens'
-  // values (docs/api.md), so a plan that would follow the host lengths follows the shapes.
+  // The call's stream captures a CUDA graph (set in a varlen call). A replay may change
+  // cu_seqlens' values (docs/api.md), so a plan that would follow the host lengths follows the
+  // shapes.
   bool capturing = false;
 
   fgdn_dtype qkv_dtype = FGDN_BFLOAT16;
