@@ -19,6 +19,11 @@
 #
 #   bash scripts/fetch_peer_wheels.sh            # WORK=/tmp/peer-wheels by default (kept as a cache)
 #   PYTHON=python3.12 bash scripts/fetch_peer_wheels.sh
+#   PEERS=flashqla bash scripts/fetch_peer_wheels.sh   # FlashQLA alone (with tilelang, tvm-ffi,
+#                                                       # dlpack ext, z3): one 46 MB piece, one
+#                                                       # carry; FLA and FlashInfer then skip
+#                                                       # (bench/results/h200-2026-11-30/
+#                                                       # flashqla-side-by-side-e5cdd94/ ran so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,9 +41,16 @@ PART_A=(flash-qla==0.1.3 tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-
         "z3-solver==4.15.4.0" fla-core==0.6.0 flashinfer-python==0.7.2.post1 cuda-tile==1.7.0
         nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1)
 PART_B=(nvidia-cutlass-dsl-libs-cu13==4.8.1)
+case ${PEERS:-all} in
+  all) ;;
+  flashqla)
+    PART_A=(flash-qla==0.1.3 tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 "z3-solver==4.15.4.0")
+    PART_B=() ;;
+  *) echo "PEERS: expected all or flashqla, got '$PEERS'" >&2; exit 2 ;;
+esac
 
 echo "== downloading into $WORK/wheels" >&2
-"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/wheels" "${PART_A[@]}" "${PART_B[@]}"
+"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/wheels" "${PART_A[@]}" ${PART_B[@]+"${PART_B[@]}"}
 
 wheel_of() {  # the downloaded wheel file of a requirement name==version
   local name=${1%%==*} ver=${1##*==}
@@ -65,13 +77,16 @@ stage "$WORK/a" "${PART_A[@]}"
 rm -f "$WORK/a/bin/z3"                                 # 22 MB solver binary: tilelang imports the z3 library only
 rm -rf "$WORK/a/flashinfer/data/csrc" "$WORK/a/flashinfer/data/cutlass" "$WORK/a/flashinfer/data/cccl"
 
-echo "== staging part b (nvidia-cutlass-dsl-libs-cu13)" >&2
-stage "$WORK/b" "${PART_B[@]}"
+rm -rf "$WORK/b" && mkdir -p "$WORK/b"
+if [ ${#PART_B[@]} -gt 0 ]; then
+  echo "== staging part b (nvidia-cutlass-dsl-libs-cu13)" >&2
+  stage "$WORK/b" "${PART_B[@]}"
+fi
 
 # Both parts go into one xz stream, cut into pieces of $PIECE_MIB MiB, one folder each
 # (.whl/peers-1, .whl/peers-2, ...): a device call carries the working tree and one piece, under
 # its 64 MiB. The device gathers the pieces and unpacks once it has them all (gpu_bench.sh unpack).
-PIECE_MIB=${PIECE_MIB:-28}
+PIECE_MIB=${PIECE_MIB:-$([ "${PEERS:-all}" = flashqla ] && echo 56 || echo 28)}  # FlashQLA alone: one piece
 rm -rf "$DEST"/peers-*
 tmp="$WORK/peers.tar.xz"
 echo "== packing $tmp (xz -9e, one thread: ~10 minutes)" >&2
@@ -86,7 +101,7 @@ for i in "${!pieces[@]}"; do
   mv "${pieces[$i]}" "$dir/peers.tar.xz.piece$i-of-$n"
 done
 { echo "# peers.tar.xz: pip install --no-deps --target of these wheels, then pruned (scripts/fetch_peer_wheels.sh)"
-  printf '%s\n' "${PART_A[@]}" "${PART_B[@]}"
+  printf '%s\n' "${PART_A[@]}" ${PART_B[@]+"${PART_B[@]}"}
   echo "# sha256 of the whole stream, then of each piece"
   sha256sum "$tmp" | sed 's#  .*#  peers.tar.xz#'
   (cd "$DEST" && sha256sum peers-*/peers.tar.xz.piece*)
