@@ -37,15 +37,13 @@ PLAT=(--python-version 3.12 --implementation cp --only-binary=:all:
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
-PART_A=(flash-qla==0.1.3 tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5
-        "z3-solver==4.15.4.0" fla-core==0.6.0 flashinfer-python==0.7.2.post1 cuda-tile==1.7.0
+FLASHQLA=(flash-qla==0.1.3 tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 "z3-solver==4.15.4.0")
+PART_A=("${FLASHQLA[@]}" fla-core==0.6.0 flashinfer-python==0.7.2.post1 cuda-tile==1.7.0
         nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1)
 PART_B=(nvidia-cutlass-dsl-libs-cu13==4.8.1)
 case ${PEERS:-all} in
   all) ;;
-  flashqla)
-    PART_A=(flash-qla==0.1.3 tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 "z3-solver==4.15.4.0")
-    PART_B=() ;;
+  flashqla) PART_A=("${FLASHQLA[@]}") PART_B=() ;;
   *) echo "PEERS: expected all or flashqla, got '$PEERS'" >&2; exit 2 ;;
 esac
 
