@@ -39,10 +39,33 @@ constexpr int64_t kFusedMinSegmentChunks = 4;
 // sequence (H200, 2026-11-29; bench/NOTES.md), though a transfer walk alone costs 0.62 (Nsight).
 constexpr int64_t kFusedTransferStepNum = 2, kFusedTransferStepDen = 5;
 
+// How the fused walk cuts a sequence of `total` chunks, read alike by the host and the kernels
+// (bwd_fused_scheduler.cuh, bwd_fused_scan.cu): `fixed` > 0, into segments of that many chunks
+// (cp_segment); else `walks` = k > 0, each sequence by its own length into at most k + 1
+// segments, L = max(kFusedMinSegmentChunks, ceil(total / (k + r))) (r = 0.4, below), none where
+// that gives fewer than min_segments (automatically 3: two are walked one after the other, no
+// gain; 2 where the caller forces CP) or the sequence is shorter than `floor`; else whole. Per
+// sequence, so that a CUDA graph's replay with other lengths of the same total cuts each sequence
+// as an eager call does (the captured grid holds the k + 1 segments any lengths take).
+struct FusedCut {
+  int32_t fixed = 0, walks = 0, floor = 0, min_segments = 3;
+  constexpr int chunks(int total) const {
+    if (fixed > 0) return fixed;
+    const int whole = total > 0 ? total : 1;
+    if (walks < 1 || total < floor) return whole;
+    constexpr int64_t num = kFusedTransferStepNum, den = kFusedTransferStepDen;
+    const int64_t l = (int64_t{total} * den + walks * den + num - 1) / (walks * den + num);  // ceil(total / (k + r))
+    const int len = static_cast<int>(l > kFusedMinSegmentChunks ? l : kFusedMinSegmentChunks);
+    return (total + len - 1) / len < min_segments ? whole : len;
+  }
+  constexpr int segments(int total) const { return (total + chunks(total) - 1) / chunks(total); }
+};
+
 struct DhPlan {
-  int64_t chunks = 0;    // chunks a segment (0 with no split)
-  int32_t segments = 1;  // segments of the longest possible sequence (T tokens)
+  int64_t chunks = 0;    // chunks a segment (0 with no split; fused, automatic: the longest sequence's)
+  int32_t segments = 1;  // segments of the longest possible sequence (T tokens; fused, automatic: k + 1)
   int32_t halves = 1;    // CTAs a chain's value rows are split over (segments == 1 only)
+  FusedCut cut;          // the fused walk's cut (fused plans only)
 };
 
 // sms: the device's multiprocessors (read only by an automatic split). fused: the fused
@@ -51,9 +74,9 @@ struct DhPlan {
 // (A_s only where the gates do not certify it away), phase 0 segments 0 .. S - 2. Automatically
 // S - 1 = k walks a chain, k as many as fit 7/8 of a wave (the rest for the A_s walks: 15
 // segments at 8 chains on 132 SMs, 112 walks and the 13 A_s walks of one head without decay);
-// where that is 1, k = 2 if 2 N Hv <= SMs and the longest sequence has kFusedThreeSegmentMinChunks
-// chunks: 3 segments, 2/3 of the unsplit walk's chunk steps when the A_s walks fit the wave's
-// rest, the unsplit walk's when they take a second wave.
+// where that is 1, k = 2 if 2 N Hv <= SMs, for sequences of kFusedThreeSegmentMinChunks chunks
+// or more (FusedCut::floor): 3 segments, 2/3 of the unsplit walk's chunk steps when the A_s walks
+// fit the wave's rest, the unsplit walk's when they take a second wave.
 //
 // The three segments save a share of the unsplit walk's chunk steps (phase 1 ~0.62 L, a transfer
 // step's cost, and phase 0 L, of 2.4 L) and cost a fixed part (phase 1's launch and prologue, the
@@ -63,14 +86,19 @@ struct DhPlan {
 // chunks. The floor applies to this fallback alone, where it was measured (its A_s walks overflow
 // the wave); k >= 3 keeps its gain on short sequences (4 x 32 chunks: 0.363 against 0.467 unsplit).
 constexpr int64_t kFusedThreeSegmentMinChunks = 48;
-// The fused plan's walks a chain and launch, S - 1 = k (0: no automatic split); see below.
-// longest: the longest sequence's chunks (an upper bound of them for the workspace's capacity).
-inline int64_t fused_walks_per_chain(const Problem& p, int sms, int64_t longest) {
+// The fused plan's walks a chain and launch, S - 1 = k (0: no split), for any lengths.
+inline int64_t fused_walks_per_chain(const Problem& p, int sms) {
   const int64_t c = std::max<int64_t>(p.N * p.Hv, 1);
   int64_t k = (sms - sms / 8) / c;
-  if (k < 2 && 2 * c <= sms && longest >= kFusedThreeSegmentMinChunks) k = 2;
+  if (k < 2 && 2 * c <= sms) k = 2;
   if (p.context_parallel != FGDN_CONTEXT_PARALLEL_AUTO) k = std::max<int64_t>(k, kDhMinSegments - 1);
   return k < 2 ? 0 : k;
+}
+// The shortest sequence the automatic plan splits: the three-segment fallback's floor, else any.
+inline int32_t fused_split_floor(const Problem& p, int sms) {
+  const int64_t c = std::max<int64_t>(p.N * p.Hv, 1);
+  const bool fallback = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO && (sms - sms / 8) / c < 2;
+  return fallback ? static_cast<int32_t>(kFusedThreeSegmentMinChunks) : 0;
 }
 
 // The fused reverse CP's fp32 128 x 128 matrices, per chain of S segments (the plan's), only those
@@ -88,17 +116,45 @@ constexpr int fused_cp_map(int s, int which) { return 3 * s - 2 + which; }
 
 // The longest sequence in chunks: from the lengths where the call has them on the host (dense:
 // the shapes; varlen: a call, not a workspace query, nor a call a CUDA graph captures: a replay
-// may lengthen a sequence past the capture's longest, whose segments the plan's grid and
-// matrices would not hold), else the packed total, its upper bound.
-// The fused plan cuts by it, so that packed sequences get their own share of the wave: 2/4, four
-// 8192-token sequences, cut by the packed total (512 chunks) took two 70-chunk segments a chain,
-// walked one after the other (2.54 ms against 1.35 for one 32768-token sequence; H200, 2026-11-29).
+// may lengthen a sequence past the capture's longest), else the packed total, its upper bound.
+// A fixed segment cuts by it (the grid's segments); the automatic fused plan asks it only whether
+// any sequence splits, and cuts each by its own length (FusedCut).
+inline bool lengths_on_host(const Problem& p) {
+  return !p.varlen || (p.have_host_seqlens && !p.capturing && p.cu.size() == static_cast<size_t>(p.N) + 1);
+}
 inline int64_t longest_chunks(const Problem& p) {
-  if (!p.varlen || !p.have_host_seqlens || p.capturing || p.cu.size() != static_cast<size_t>(p.N) + 1)
-    return (p.T + kDhChunk - 1) / kDhChunk;
+  if (!p.varlen || !lengths_on_host(p)) return (p.T + kDhChunk - 1) / kDhChunk;
   int64_t longest = 0;
   for (int64_t n = 0; n < p.N; ++n) longest = std::max(longest, p.seq(n).len);
   return (longest + kDhChunk - 1) / kDhChunk;
+}
+
+// The fused plan (dh_plan_segments below) where it is automatic or forced without a fixed segment: each
+// sequence cut by its own length, into at most k + 1 segments (ceil(total / L) with
+// L >= total / (k + 0.4)). The grid takes the most any sequence of the call takes where the host
+// has the lengths, else k + 1 (a replay's sequences of any lengths); none where the longest (or
+// the packed total) does not split. Per sequence rather than by the longest: a CUDA graph's plan
+// then cuts a replay's sequences as the eager call does (cut by the packed total, 2/8 4 x 2048
+// took one 32-chunk segment a sequence where the eager plan took four: 0.485 ms against 0.363).
+inline DhPlan fused_plan_per_sequence(const Problem& p, int sms, int64_t longest) {
+  DhPlan d;
+  const int64_t k = fused_walks_per_chain(p, sms);
+  if (k == 0) return d;
+  FusedCut cut;
+  cut.walks = static_cast<int32_t>(k);
+  cut.floor = fused_split_floor(p, sms);
+  cut.min_segments = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO ? 3 : 2;
+  const int longest_c = static_cast<int>(longest);
+  if (cut.segments(longest_c) <= 1) return d;
+  d.cut = cut;
+  d.chunks = cut.chunks(longest_c);
+  d.segments = static_cast<int32_t>(k + 1);
+  if (lengths_on_host(p)) {
+    d.segments = cut.segments(longest_c);
+    for (int64_t n = 0; p.varlen && n < p.N; ++n)
+      d.segments = std::max(d.segments, cut.segments(static_cast<int>((p.seq(n).len + kDhChunk - 1) / kDhChunk)));
+  }
+  return d;
 }
 
 inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
@@ -109,39 +165,30 @@ inline DhPlan dh_plan_segments(const Problem& p, int sms, bool fused = false) {
   const bool automatic = p.context_parallel == FGDN_CONTEXT_PARALLEL_AUTO;
   if (p.cp_segment > 0) {
     d.chunks = std::max(kDhMinSegmentChunks, p.cp_segment / kDhChunk);
+    if (fused) d.cut.fixed = static_cast<int32_t>(d.chunks);
+  } else if (fused) {
+    // Phase 1 walks the last segment whole and the others' transfers, carry-only walks at r of a
+    // whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
+    // neither phase 1 part waits for the other. L = ceil(total / (k + r)) (FusedCut).
+    return fused_plan_per_sequence(p, sms, longest);
   } else {
-    const int64_t c = std::max<int64_t>(chains, 1);
-    if (fused) {
-      const int64_t k = fused_walks_per_chain(p, sms, longest);
-      if (k == 0) return d;
-      // Phase 1 walks the last segment whole and the others' transfers, carry-only walks at r of
-      // a whole walk's cost a chunk: S - 1 = k segments of L chunks and a last one of ~r L, so that
-      // neither phase 1 part waits for the other. L = ceil(longest / (k + r)).
-      constexpr int64_t num = kFusedTransferStepNum, den = kFusedTransferStepDen;
-      d.chunks = std::max(kFusedMinSegmentChunks, (longest * den + k * den + num - 1) / (k * den + num));
-    } else {
-      if (automatic && chains * kDhMinSegments > sms) return d;
-      const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / c);
-      d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
-    }
+    if (automatic && chains * kDhMinSegments > sms) return d;
+    const int64_t per_chain = std::max<int64_t>(kDhMinSegments, sms / std::max<int64_t>(chains, 1));
+    d.chunks = std::max(kDhMinSegmentChunks, (longest + per_chain - 1) / per_chain);
   }
   if (longest > d.chunks) d.segments = static_cast<int32_t>((longest + d.chunks - 1) / d.chunks);
-  // The fused walk's two segments are walked one after the other (phase 1 the last, phase 0 the
-  // first): no gain, so automatically none.
-  if (fused && automatic && p.cp_segment <= 0 && d.segments == 2) return DhPlan{};
+  if (d.segments == 1) d.cut = FusedCut{};
   return d;
 }
 
 // The most segments the fused plan takes for any lengths of p's shapes (the workspace query has
-// no lengths): a fixed segment cuts the packed total into the most; automatically S <= k + 1, as
-// L = ceil(longest / (k + r)) >= longest / (k + 0.4) makes ceil(longest / L) at most k + 1.
+// no lengths): a fixed segment cuts the packed total into the most; automatically S <= k + 1.
 inline int32_t fused_segments_capacity(const Problem& p, int sms) {
   Problem bound = p;
   bound.have_host_seqlens = false;
   const DhPlan b = dh_plan_segments(bound, sms, true);
   if (p.context_parallel == FGDN_CONTEXT_PARALLEL_OFF || p.N <= 0 || p.cp_segment > 0) return b.segments;
-  // The packed total bounds every sequence's chunks, and k does not fall as they grow.
-  const int64_t k = fused_walks_per_chain(p, sms, (p.T + kDhChunk - 1) / kDhChunk);
+  const int64_t k = fused_walks_per_chain(p, sms);
   return k == 0 ? b.segments : std::max<int32_t>(b.segments, static_cast<int32_t>(k + 1));
 }
 

@@ -189,7 +189,7 @@ void launch_fused(const Problem& p, const fgdn_bwd_args& a, bwd::BwdParams& P, c
   B.bound = reinterpret_cast<float*>(f + F.off[F.kBound]);
   B.row_scale = p.l2norm ? reinterpret_cast<float*>(f + F.off[F.kRowScale]) : nullptr;
   B.cp = reinterpret_cast<float*>(f + F.off[F.kCp]);
-  B.seg_chunks = F.seg_chunks;
+  B.cut = F.cut;
   B.segments = F.segments;
   bwd::launch_bwd_fused(P, a, B, stream);
   P.dc = B.dg;

@@ -100,7 +100,7 @@ FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a) {
   L.out_count = out_count;
   L.out_in_states = out_in_states;
   L.segments = plan.segments;
-  L.seg_chunks = plan.segments > 1 ? static_cast<int32_t>(plan.chunks) : 0;
+  L.cut = plan.cut;
   size_t o = 0;
   for (int i = 0; i < FusedLayout::kCount; ++i) {
     L.off[i] = o;
@@ -147,7 +147,7 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   K.has_state_indices = P.has_state_indices;
   K.idx_dtype = P.idx_dtype;
   K.scale = P.scale;
-  K.seg_chunks = F.seg_chunks;
+  K.cut = F.cut;
   K.segments = F.segments;
   K.cp = F.cp;
   K.bound = F.bound;
@@ -159,7 +159,7 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
   set_dynamic_smem(kernel, kSmem);
   if (P.N > 0 && P.Hv > 0) {  // a CTA a chain or segment (sequences of no chunks too: dh0 = dht)
     const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);
-    if (F.seg_chunks > 0) {
+    if (F.segments > 1) {
       K.phase = 1;
       kernel<<<dim3(N, Hv, 2 * F.segments), fk::kThreads, kSmem, s>>>(K);
       FGDN_CHECK_LAUNCH("bwd fused (CP transfers)");
@@ -169,9 +169,9 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
     kernel<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
     // A diagnostic build's table (bwd_fused_timeline.cuh): CTA (0, 0, 0) walks sequence 0's first
-    // segment (dense: the chunks of a row, or seg_chunks of them under reverse CP).
+    // segment (dense: the chunks of a row, or the cut's first segment of them under reverse CP).
     const int64_t row_chunks = (P.seq.T + 63) / 64;
-    const int64_t walked = F.seg_chunks > 0 ? std::min<int64_t>(F.seg_chunks, row_chunks) : row_chunks;
+    const int64_t walked = std::min<int64_t>(F.cut.chunks(static_cast<int>(row_chunks)), row_chunks);
     fk::report_walk_timeline(s, P.seq.varlen ? 0 : walked);
   }
   if (slots > 0) launch_fused_reduce(P, F, s);

@@ -40,7 +40,8 @@ struct FusedLayout {
   bool out_in_states;
   // Reverse CP (bwd_dh_plan.h's segments; 1: none): kCp, per chain the seeds and transfers the
   // walks and the scan use (bwd_dh_plan.h's fused_cp_per_chain: 3 S - 5 fp32 128 x 128 matrices).
-  int32_t seg_chunks, segments;
+  cuda::bwd::FusedCut cut;
+  int32_t segments;
 };
 FusedLayout fused_layout(const Problem& p, const fgdn_bwd_args& a);
 
@@ -61,7 +62,8 @@ struct FusedBuffers {
   float* row_scale;                       // [slot Hq + hq][2][64]: q's, k's 1 / ||x|| (l2norm, else null; the
                                           // prep's, for the reduce's norm backward)
   float* cp;                              // reverse CP's seeds and transfers (FusedLayout::kCp)
-  int32_t seg_chunks, segments;
+  cuda::bwd::FusedCut cut;
+  int32_t segments;
 };
 
 // The steps' launches, a file each: 2 (bwd_fused_prep.cu), 3b (bwd_fused_scan.cu), 4

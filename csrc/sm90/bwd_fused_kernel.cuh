@@ -942,7 +942,7 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
 template <bool kF16Island>
 __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__ Params P) {
   // This CTA's chain: value head h of sequence n, its chunks in slots f .. f + N - 1
-  // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.seg_chunks > 0) segment
+  // (cuda/chunk_index.cuh), walked last to first; under reverse CP (P.segments > 1) segment
   // `seg` of it (Params, bwd_fused_scheduler.cuh's walk_kind).
   const int h = blockIdx.y;
   const int64_t n_seq = blockIdx.x;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cuda/bwd_dh_plan.h"
 #include "cuda/chunk_bwd_internal.cuh"
 #include "sm90/tma.h"
 
@@ -44,9 +45,9 @@ struct Params {
   TileMap tdv;
   int32_t dv_direct, out_count;
   float scale;
-  // Reverse context parallelism (bwd_fused.cu; 0: each CTA walks a whole sequence): a sequence's
-  // chunks in segments of seg_chunks, `segments` of them at most; gridDim.z counts them
-  // (bwd_fused_scheduler.cuh's walk_kind).
+  // Reverse context parallelism (bwd_fused.cu; segments 1: each CTA walks a whole sequence): a
+  // sequence's chunks in segments of cut.chunks(its chunks) (bwd_dh_plan.h's FusedCut), `segments`
+  // of them at most; gridDim.z counts them (bwd_fused_scheduler.cuh's walk_kind).
   //   phase 1: z = 2 s + which. The last segment walked from dht, writing gradients, its start
   //            carry to the seed of s - 1; a segment 1 <= s < last walked for its transfer
   //            dS_in -> A_s dS_in + B_s only (no gradient written): which = 0 from dS = 0 with dO
@@ -55,7 +56,8 @@ struct Params {
   //            final dS to its transfer `which` (fp32 [128][128]).
   //   phase 0: z = s, segment s < last walked from its seed, the scan's dS at its end
   //            (the whole sequence from dht without a split).
-  int32_t seg_chunks, segments, phase;
+  cuda::bwd::FusedCut cut;
+  int32_t segments, phase;
   // The seeds and transfers, chain n Hv + h's at bwd_dh_plan.h's fused_cp_seed, fused_cp_map
   // (S = segments), a 128 x 128 fp32 matrix each.
   float* cp;

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
   const int64_t n = blockIdx.x;
   const int h = blockIdx.y, tid = threadIdx.x;
   const int total = static_cast<int>(ceil_div(seq_info(K.seq, n).len, int64_t{kC}));
-  const int segs = (total + K.seg_chunks - 1) / K.seg_chunks;
+  const int len = K.cut.chunks(total), segs = (total + len - 1) / len;
   if (segs <= 2) return;
   auto& S = dynamic_smem_1024<ScanSmem>();
   const int col = tid % kScanCols, v = blockIdx.z * kScanCols + col, r0 = tid / kScanCols;
@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
     const float* Bm = K.cp + (chain + fused_cp_map(s, 0)) * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) nb[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
-    const int first = s * K.seg_chunks;
-    return !fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, K.seg_chunks), K.Hv);
+    const int first = s * len;
+    return !fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, len), K.Hv);
   };
   bool need_next = fetch(segs - 2);
   for (int s = segs - 2; s >= 1; --s) {

@@ -11,7 +11,7 @@
 
 namespace flashgdn::sm90::fused_bwd {
 
-// Segment `seg` of sequence n, value head h (the whole sequence when P.seg_chunks is 0): `chunks`
+// Segment `seg` of sequence n, value head h (P.cut's, by the sequence's length): `chunks`
 // chunks from chunk `first` (0 or fewer: a segment past the sequence's end), `total` the
 // sequence's; unit rows (slot Hv + h) as 32-bit integers from u0 (the launcher checks the range);
 // from_dht: it ends the sequence, so its carry starts from d_final_state. b, t0: the sequence's
@@ -27,8 +27,9 @@ __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int s
   const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
   Walk w;
   w.total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
-  w.first = P.seg_chunks * seg;
-  w.chunks = P.seg_chunks > 0 ? min(w.total - w.first, P.seg_chunks) : w.total;
+  const int len = P.cut.chunks(w.total);
+  w.first = len * seg;
+  w.chunks = min(w.total - w.first, len);
   w.from_dht = w.first + w.chunks == w.total;
   w.u0 = static_cast<int>(cuda::chunk_slot(P.seq, n, w.first, si.t0)) * P.Hv + h;
   w.b = static_cast<int>(si.b);
@@ -64,15 +65,15 @@ enum class WalkKind { kNone, kGradients, kGradientsSeeding, kTransfer };
 __device__ __forceinline__ WalkKind walk_kind(const Params& P, int64_t n, int h, int seg, bool phase1, bool zero_do) {
   const cuda::SeqInfo si = cuda::seq_info(P.seq, n);
   const int total = static_cast<int>(cuda::ceil_div(si.len, int64_t{64}));
-  const int segs = P.seg_chunks > 0 ? (total + P.seg_chunks - 1) / P.seg_chunks : 1;
+  const int len = P.cut.chunks(total), segs = (total + len - 1) / len;
   const int last = max(segs - 1, 0);
   if (!phase1) return seg == 0 || seg < last ? WalkKind::kGradients : WalkKind::kNone;
   if (seg < 1 || seg > last) return WalkKind::kNone;
   if (seg == last) return zero_do ? WalkKind::kNone : WalkKind::kGradientsSeeding;
   if (zero_do) {
-    const int first = P.seg_chunks * seg;  // walk_of's, without its other fields
+    const int first = len * seg;  // walk_of's, without its other fields
     const int u = static_cast<int>(cuda::chunk_slot(P.seq, n, first, si.t0)) * P.Hv + h;
-    if (transfer_negligible(P.bound, u, min(total - first, P.seg_chunks), P.Hv)) return WalkKind::kNone;
+    if (transfer_negligible(P.bound, u, min(total - first, len), P.Hv)) return WalkKind::kNone;
   }
   return WalkKind::kTransfer;
 }

@@ -169,9 +169,11 @@ TEST(BwdDhPlan, FusedWalksFillOneWave) {
   }
 }
 
-// Packed sequences are cut by the longest one where the call has the lengths (a workspace query
-// has not: the packed total bounds it), and the workspace's capacity covers every plan of the shapes.
-TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
+// Packed sequences are cut each by its own length (bwd_dh_plan.h's FusedCut, which the kernels
+// read): the grid takes the most segments any sequence takes where the call has the lengths, k + 1
+// where it has not (a workspace query; a call a CUDA graph captures, whose replay may bring other
+// lengths of the same total), and the workspace's capacity covers every plan of the shapes.
+TEST(BwdDhPlan, FusedPackedSequencesCutEachByItsLength) {
   using flashgdn::cuda::bwd::dh_plan_segments;
   using flashgdn::cuda::bwd::fused_segments_capacity;
   auto packed = [](std::vector<int64_t> lens, int64_t Hv, bool have) {
@@ -184,19 +186,22 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
     p.have_host_seqlens = have;
     return p;
   };
-  // 2/4, four 8192-token sequences: 16 chains, seven walks a chain; by the packed total (512
-  // chunks) two segments of 70 chunks a sequence, by the sequences (128) eight of 18.
+  // 2/4, four 8192-token sequences: 16 chains, seven walks a chain; each sequence (128 chunks)
+  // into eight segments of 18, with the lengths or without.
   const Problem with = packed({8192, 8192, 8192, 8192}, 4, true), without = packed({8192, 8192, 8192, 8192}, 4, false);
-  EXPECT_EQ(dh_plan_segments(without, kH100Sms, true).chunks, 70);
   EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).chunks, 18);
   EXPECT_EQ(dh_plan_segments(with, kH100Sms, true).segments, 8);
+  EXPECT_EQ(dh_plan_segments(without, kH100Sms, true).cut.chunks(128), 18);
+  EXPECT_EQ(dh_plan_segments(without, kH100Sms, true).segments, 8);
   EXPECT_EQ(fused_segments_capacity(with, kH100Sms), 8);
-  // A call a CUDA graph captures plans by the packed total (a replay may change the lengths): the
-  // plan of the shapes, which holds every sequence of any lengths with that total.
-  Problem captured = with;
+  // 2/8, four 2048-token sequences captured: each sequence into four segments of 10 chunks, as
+  // eagerly (cut by the packed total, 128 chunks, each took one segment of 38).
+  Problem eager = packed({2048, 2048, 2048, 2048}, 8, true), captured = eager;
   captured.capturing = true;
-  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).chunks, 70);
-  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).segments, dh_plan_segments(without, kH100Sms, true).segments);
+  EXPECT_EQ(dh_plan_segments(eager, kH100Sms, true).cut.chunks(32), 10);
+  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).cut.chunks(32), 10);
+  EXPECT_EQ(dh_plan_segments(eager, kH100Sms, true).segments, 4);
+  EXPECT_EQ(dh_plan_segments(captured, kH100Sms, true).segments, 4);  // k + 1 = 4
   std::mt19937_64 rng(20261130);
   for (int i = 0; i < 20000; ++i) {
     const int64_t N = 1 + static_cast<int64_t>(rng() % 12), Hv = 1 + static_cast<int64_t>(rng() % 64);
@@ -208,25 +213,32 @@ TEST(BwdDhPlan, FusedPackedSequencesCutByTheLongest) {
     p.context_parallel = mode == 0 ? FGDN_CONTEXT_PARALLEL_AUTO : mode == 1 ? FGDN_CONTEXT_PARALLEL_ON : FGDN_CONTEXT_PARALLEL_OFF;
     p.cp_segment = rng() % 4 == 0 ? 64 * static_cast<int64_t>(1 + rng() % 64) : 0;
     const DhPlan d = dh_plan_segments(p, sms, true);
-    const int64_t longest = (*std::max_element(lens.begin(), lens.end()) + 63) / 64;
     ASSERT_LE(d.segments, fused_segments_capacity(p, sms)) << "N " << N << " Hv " << Hv << " sms " << sms;
     Problem q = p;
     q.have_host_seqlens = false;
     ASSERT_EQ(fused_segments_capacity(q, sms), fused_segments_capacity(p, sms));  // the query's size
-    if (d.segments > 1) {
-      ASSERT_GE(d.chunks * d.segments, longest);
-      ASSERT_LT(d.chunks * (d.segments - 1), longest);
+    // Every sequence's segments inside the grid, each at least one chunk but the last, which ends it.
+    for (int64_t n = 0; d.segments > 1 && n < N; ++n) {
+      const int total = static_cast<int>((lens[n] + 63) / 64), len = d.cut.chunks(total);
+      ASSERT_GE(len, 1);
+      ASSERT_LE(d.cut.segments(total), d.segments) << "N " << N << " Hv " << Hv << " sms " << sms << " total " << total;
+      ASSERT_GE(len * d.cut.segments(total), total);
     }
-    // Captured: every sequence a replay may bring (any lengths of the same total) fits the plan's
-    // segments, and the workspace holds them.
+    // Captured: any sequence a replay may bring (up to the packed total) fits the plan's segments,
+    // the workspace holds them, and where both split, the replay cuts each sequence as eagerly.
     Problem cap = p;
     cap.capturing = true;
     const DhPlan dc = dh_plan_segments(cap, sms, true);
-    const int64_t total = (p.T + 63) / 64;
-    if (dc.segments > 1) {
-      ASSERT_GE(dc.chunks * dc.segments, total) << "N " << N << " Hv " << Hv << " sms " << sms;
+    const int total = static_cast<int>((p.T + 63) / 64);
+    for (int t = 0; dc.segments > 1 && t <= total; t += 1 + total / 97) {
+      ASSERT_LE(dc.cut.segments(t), dc.segments) << "N " << N << " Hv " << Hv << " sms " << sms << " t " << t;
     }
     ASSERT_LE(dc.segments, fused_segments_capacity(p, sms));
+    if (d.segments > 1 && dc.segments > 1 && p.cp_segment == 0) {
+      ASSERT_EQ(d.cut.walks, dc.cut.walks);
+      ASSERT_EQ(d.cut.floor, dc.cut.floor);
+      ASSERT_EQ(d.cut.min_segments, dc.cut.min_segments);
+    }
   }
 }
 
