@@ -58,7 +58,10 @@ struct FusedCut {
     const int len = static_cast<int>(l > kFusedMinSegmentChunks ? l : kFusedMinSegmentChunks);
     return (total + len - 1) / len < min_segments ? whole : len;
   }
-  constexpr int segments(int total) const { return (total + chunks(total) - 1) / chunks(total); }
+  constexpr int segments(int total) const {
+    const int len = chunks(total);
+    return (total + len - 1) / len;
+  }
 };
 
 struct DhPlan {
@@ -129,16 +132,18 @@ inline int64_t longest_chunks(const Problem& p) {
   return (longest + kDhChunk - 1) / kDhChunk;
 }
 
-// The fused plan (dh_plan_segments below) where it is automatic or forced without a fixed segment: each
-// sequence cut by its own length, into at most k + 1 segments (ceil(total / L) with
+// The fused plan (dh_plan_segments below) where it is automatic or forced without a fixed
+// segment: each sequence cut by its own length, into at most k + 1 segments (ceil(total / L) with
 // L >= total / (k + 0.4)). The grid takes the most any sequence of the call takes where the host
 // has the lengths, else k + 1 (a replay's sequences of any lengths); none where the longest (or
-// the packed total) does not split. A captured call asks the packed total, not the capture's
-// longest: "no split" would hold for any replay too, but a capture of short sequences would then
-// walk a replay's long ones unsplit (2/8 1x8192: 1.33 ms against 0.40), where asking the total
-// costs a capture of short ones two empty launches (2/8 8x1024: 0.336 against 0.328). Per sequence rather than by the longest: a CUDA graph's plan
-// then cuts a replay's sequences as the eager call does (cut by the packed total, 2/8 4 x 2048
-// took one 32-chunk segment a sequence where the eager plan took four: 0.485 ms against 0.363).
+// the packed total) does not split.
+// Per sequence rather than by the longest: a CUDA graph's plan then cuts a replay's sequences as
+// the eager call does (cut by the packed total, 2/8 4 x 2048 took one 32-chunk segment a sequence
+// where the eager plan took four: 0.485 ms against 0.363).
+// A captured call asks the packed total, not the capture's longest, whether to split: "no split"
+// would hold for any replay too, but a capture of short sequences would then walk a replay's long
+// ones unsplit (2/8 1x8192: 1.33 ms against 0.40), where asking the total costs a capture of
+// short ones two empty launches (2/8 8x1024: 0.336 against 0.328).
 inline DhPlan fused_plan_per_sequence(const Problem& p, int sms, int64_t longest) {
   DhPlan d;
   const int64_t k = fused_walks_per_chain(p, sms);
