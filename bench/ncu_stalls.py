@@ -4,7 +4,7 @@
         --page source --csv --print-source sass python3 bench/ncu_stalls.py --drive 16/64 > walk.csv
     python3 bench/ncu_stalls.py walk.csv            # samples by stall reason, then the top sites
 
---drive runs the forward + backward of one 32768-token sequence twice (the call ncu profiles);
+--drive runs the forward + backward of one 32768-token (--T) sequence twice (the call ncu profiles);
 scripts/gpu_check.sh's `ncu` step runs both and keeps the walk's cubin (walk.cubin in its logs). A
 wait on an mbarrier shows as stall_long_sb on the branch after its SYNCS.PHASECHK (try_wait); the
 site's preceding instructions name the barrier.
@@ -27,7 +27,7 @@ import re
 import sys
 
 
-def drive(heads: str) -> None:
+def drive(heads: str, tokens: int = 32768) -> None:
     import torch
 
     import flashgdn
@@ -35,7 +35,7 @@ def drive(heads: str) -> None:
     from gdnbench.inputs import make_inputs
 
     Hq, Hv = (int(a) for a in heads.split("/"))
-    x = make_inputs(Hq, Hv, seq(32768), requires_grad=True, with_grads_out=True)
+    x = make_inputs(Hq, Hv, seq(tokens), requires_grad=True, with_grads_out=True)
     q, k, v, g, b, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     for _ in range(2):
         o, ht = flashgdn.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True,
@@ -154,13 +154,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="?", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--drive", metavar="HQ/HV", help="run the profiled call instead")
+    ap.add_argument("--T", type=int, default=32768, help="--drive's sequence length")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--sass", help="nvdisasm -g -gi -c of the profiled kernel's cubin: group by role and stage")
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", "csrc", "sm90", "bwd_fused_kernel.cuh"))
     ap.add_argument("--function", default="fused_bwdILb1", help="the profiled instantiation's symbol (a substring)")
     a = ap.parse_args()
     if a.drive:
-        drive(a.drive)
+        drive(a.drive, a.T)
     elif a.csv and a.sass:
         by_stage(a.csv, a.sass, a.source, a.function)
     elif a.csv:

@@ -324,13 +324,13 @@ fi
 if has ncu; then
   # Where the fused backward's warps wait: Nsight Compute's stall samples by instruction of one
   # launch of NCU_KERNEL (default fused_bwd) in a forward + backward at NCU_HEADS (default 16/64,
-  # one 32768-token sequence), summarised by bench/ncu_stalls.py; the CSV in the logs. Not in the
+  # one NCU_T-token sequence, default 32768), summarised by bench/ncu_stalls.py; the CSV in the logs. Not in the
   # default steps.
   install_pkg
   t0=$SECONDS
   PYTHONPATH=$PYTHONPATH:$PWD/bench ncu -k regex:"${NCU_KERNEL:-fused_bwd}" -s 1 -c 1 --section SourceCounters \
     --section WarpStateStats --page source --csv --print-source sass \
-    $PY bench/ncu_stalls.py --drive "${NCU_HEADS:-16/64}" >"$LOG/ncu.csv" 2>"$LOG/ncu.err"
+    $PY bench/ncu_stalls.py --drive "${NCU_HEADS:-16/64}" --T "${NCU_T:-32768}" >"$LOG/ncu.csv" 2>"$LOG/ncu.err"
   $PY bench/ncu_stalls.py "$LOG/ncu.csv" --top 12 >"$LOG/ncu-summary.txt" 2>&1
   cat "$LOG/ncu-summary.txt"
   # The walk's cubin, for the samples by role and stage (bench/ncu_stalls.py --sass, nvdisasm here
@@ -349,15 +349,17 @@ fi
 if has timeline; then
   # The fused walk's per-role stage timeline (csrc/sm90/bwd_fused_timeline.cuh): a build of its own
   # with -DFLASHGDN_WALK_TIMELINE=ON (build-timeline/), flashgdn_run's backward at TL_HEADS (default
-  # 16/64) on one TL_T-token sequence (default 8192), CP off (CTA (0, 0, 0) walks the whole
-  # sequence), `default` unless TL_PRECISION; the table it prints to stderr. Not in the default steps.
+  # 16/64) on one TL_T-token sequence (default 8192), CP TL_CP (default off: CTA (0, 0, 0) walks the
+  # whole sequence; auto: its first segment, in the walk's last launch), `default` unless
+  # TL_PRECISION; the table it prints to stderr, then the launch's CTAs' entries and exits. Not in
+  # the default steps.
   t0=$SECONDS
   tl_heads=${TL_HEADS:-16/64}
   if cmake -S . -B build-timeline -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHGDN_WALK_TIMELINE=ON \
       -DFLASHGDN_TESTS=OFF >"$LOG/timeline-build.log" 2>&1 &&
       cmake --build build-timeline -j"$(nproc)" --target flashgdn_run >>"$LOG/timeline-build.log" 2>&1; then
     LD_LIBRARY_PATH=$PWD/build-timeline build-timeline/flashgdn_run --device cuda --T "${TL_T:-8192}" \
-      --Hq "${tl_heads%/*}" --Hv "${tl_heads#*/}" --backward 1 --check 0 --cp off --iters 3 \
+      --Hq "${tl_heads%/*}" --Hv "${tl_heads#*/}" --backward 1 --check 0 --cp "${TL_CP:-off}" --iters 3 \
       --precision "${TL_PRECISION:-default}" >"$LOG/timeline-run.log" 2>"$LOG/timeline.md"
     cat "$LOG/timeline.md"
     note "walk timeline, $tl_heads 1x${TL_T:-8192} ${TL_PRECISION:-default}" \

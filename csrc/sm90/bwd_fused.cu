@@ -161,11 +161,13 @@ void launch_bwd_fused(const BwdParams& P, const fgdn_bwd_args& a, const FusedBuf
     const unsigned N = static_cast<unsigned>(P.N), Hv = static_cast<unsigned>(P.Hv);
     if (F.segments > 1) {
       K.phase = 1;
+      fk::clear_walk_timeline_ctas(s);
       kernel<<<dim3(N, Hv, 2 * F.segments), fk::kThreads, kSmem, s>>>(K);
       FGDN_CHECK_LAUNCH("bwd fused (CP transfers)");
       launch_fused_cp_scan(K, P.N, P.Hv, s);
     }
     K.phase = 0;
+    fk::clear_walk_timeline_ctas(s);
     kernel<<<dim3(N, Hv, F.segments), fk::kThreads, kSmem, s>>>(K);
     FGDN_CHECK_LAUNCH("bwd fused");
     // A diagnostic build's table (bwd_fused_timeline.cuh): CTA (0, 0, 0) walks sequence 0's first

@@ -178,29 +178,28 @@ __device__ __forceinline__ void wait_all_roles(Smem& S, int s, int i) {
   for (int y = 0; y < kComputeWarpgroups; ++y) S.done[s][y].wait(i & 1);
 }
 
-// The carry's element (a, v) = (64 m + row, 64 hf + col) of element e as an offset into a state
-// tensor of sequence n, head h (fp32 | bf16 | fp16; [K][V] or V-major). The thread index comes
-// from a volatile instruction: recomputed where used, so ptxas does not keep 128 offsets across
-// the chunk loop from dS's load to dh0's store (it did, and spilled them).
+// The carry's element (a, v) = (64 m + row, 64 hf + col) of accumulator element e, for the
+// thread tx. The thread index comes from a volatile instruction (opaque_tid), so that ptxas does
+// not keep 128 offsets across the chunk loop from dS's load to dh0's store (it did, and spilled
+// them); it is read once for all the elements of one load or store. Read for each element, with
+// a dtype branch an element, the 128 loads of the carry did not go out together: 68,000-120,000
+// cycles (40-70 us) at every walk's start (the timeline's walk-start points, bench/NOTES.md).
 struct CarryAt {
   int a, v;
 };
-__device__ __forceinline__ CarryAt carry_at(int m, int hf, int e) {
+__device__ __forceinline__ int opaque_tid() {
   int tx;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  return tx;
+}
+__device__ __forceinline__ CarryAt carry_at(int tx, int m, int hf, int e) {
   return {64 * m + 16 * ((tx >> 5) & 3) + ((tx & 31) >> 2) + 8 * ((e >> 1) & 1),
           64 * hf + 8 * (e >> 2) + 2 * (tx & 3) + (e & 1)};
 }
-template <class ParamsT>
-__device__ __forceinline__ int64_t state_off(const ParamsT& P, const cuda::bwd::Tensor4& t, int64_t n, int h, int m,
-                                             int hf, int e) {
-  const CarryAt c = carry_at(m, hf, e);
-  const int64_t base = n * t.s0 + h * t.s1;
-  return P.state_v_first ? base + int64_t{c.v} * t.s2 + c.a : base + int64_t{c.a} * t.s2 + c.v;
-}
-// The carry's element as an offset into a fp32 [128][128] matrix (the CP transfers and seeds).
-__device__ __forceinline__ int carry_off(int m, int hf, int e) {
-  const CarryAt c = carry_at(m, hf, e);
+// The carry's element as an offset into a fp32 [128][128] matrix (the CP transfers and seeds);
+// elements e and e + 1 (e even) are adjacent.
+__device__ __forceinline__ int carry_off(int tx, int m, int hf, int e) {
+  const CarryAt c = carry_at(tx, m, hf, e);
   return c.a * 128 + c.v;
 }
 
@@ -216,7 +215,34 @@ __device__ __forceinline__ void each_carry(F&& f) {
       for (int e = 0; e < 32; e += kStep) f(m, hf, e);
 }
 
-
+// f(m, hf, e, x) for every element of the carry, x pointing to it in state tensor t (fp32 | bf16 |
+// fp16; [K][V] or V-major) of sequence n, head h, typed: the dtype's and the layout's branches
+// taken once outside the 128 elements (as the forward's load_state), and each address a row
+// pointer (one of four; of a V-major state, one of 32 column pointers) plus a constant, so that
+// the loads or stores go out together (with a 64-bit product an element ptxas spilled them).
+template <class ParamsT, class F>
+__device__ __forceinline__ void each_state_elem(const ParamsT& P, const cuda::bwd::Tensor4& t, int64_t n, int h, F&& f) {
+  const auto walk = [&](auto* base, auto v_first) {
+    const int tx = opaque_tid();
+    const CarryAt c0 = carry_at(tx, 0, 0, 0);
+    auto* const p = base + n * t.s0 + h * t.s1 + (v_first ? int64_t{c0.v} * t.s2 + c0.a : int64_t{c0.a} * t.s2 + c0.v);
+    each_carry([&](int m, int hf, int e) {
+      const int da = 64 * m + 8 * ((e >> 1) & 1), dv = 64 * hf + 8 * (e >> 2) + (e & 1);
+      f(m, hf, e, v_first ? p + dv * t.s2 + da : p + da * t.s2 + dv);
+    });
+  };
+  const auto typed = [&](auto v_first) {
+    switch (t.dtype) {
+      case FGDN_BFLOAT16: walk(static_cast<__nv_bfloat16*>(t.data), v_first); break;
+      case FGDN_FLOAT16: walk(static_cast<__half*>(t.data), v_first); break;
+      default: walk(static_cast<float*>(t.data), v_first); break;
+    }
+  };
+  if (P.state_v_first)
+    typed(std::true_type{});
+  else
+    typed(std::false_type{});
+}
 
 // d, opaque to ptxas: what is derived from it is formed again where used, not kept across stages.
 __device__ __forceinline__ Descs opaque(Descs d) {
@@ -260,11 +286,13 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   if (tid == kDone + 4) S.full1.init(kFull1Arrivals);
   if (tid == kDone + 5) S.start.init(kComputeWarpgroups * kWarpgroupThreads);
   fence_barrier_init();
+  if (tid == 0) pre_stamp(0);
   if (zero_do) {  // dO stays zero: the producer loads none
     for (int j = tid; j < int(kTile / 16); j += kThreads) reinterpret_cast<uint4*>(S.dO)[j] = make_uint4(0, 0, 0, 0);
     fence_proxy_async();
   }
   __syncthreads();
+  if (tid == 0) pre_stamp(1);
   // Chunks last to first: iteration i works on chunk n = N - 1 - i, slot f + n, unit row u(n).
   auto unit = [&](int n) { return u0 + n * P.Hv; };
   auto gv = [&](int i) { return P.gates + size_t(unit(N - 1 - i)) * 128; };
@@ -321,10 +349,12 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         if (!zero_do) vo_tile(S.dO, P.tdo, P.tdo_tail, i, &S.full1);
         bulk_load(S.ar, P.ar + size_t(unit(N - 1 - i)) * kSmall, kSmall, &S.full1);
       };
+      pre_stamp(8);
       if (N > 0) {
         load0(0);
         load1(0);
       }
+      pre_stamp(9);
       for (int i = 0; i + 1 < N; ++i) {
         wait_all_roles(S, kReloadQkvS0, i);
         load0(i + 1);
@@ -332,8 +362,10 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
         load1(i + 1);
       }
     } else if (warp == 2) {  // c, beta: 128 floats, four a lane, c then beta as in Smem
+      if (lane == 0) pre_stamp(10);
       for (int i = 0; i < N; ++i) {
         const float4 v = reinterpret_cast<const float4*>(gv(i))[lane];
+        if (i == 0 && lane == 0) pre_stamp(11);
         if (i > 0) wait_all_roles(S, kReloadGates, i - 1);
         reinterpret_cast<float4*>(S.c)[lane] = v;
         S.full1.arrive();
@@ -373,7 +405,9 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
   const float scale = P.scale;
   if (wg == 0) {  // ---- C: the carry dS (K x V fp32), rows 64 m + arow, columns 64 half + acol ---
     setmaxnreg_inc<176>();
+    if (tid == 0) pre_stamp(2);
     chain();
+    if (tid == 0) pre_stamp(3);
     const Descs dd = descs(S);
     const Frag fr = frag();
     float ds[2][2][32];
@@ -383,26 +417,38 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     // addressed from one pointer a walk (a 64-bit index an element cost 4 instructions each).
     float* const cp_chain = P.cp + (size_t(n_seq) * P.Hv + h) * cuda::bwd::fused_cp_per_chain(P.segments) * 16384;
     const float* const seed = cp_chain + cuda::bwd::fused_cp_seed(seg) * 16384;
-    each_carry([&](int m, int hf, int e) {
-      if (transfer) {
-        const CarryAt c = carry_at(m, hf, e);
+    if (transfer) {
+      const int tx = opaque_tid();
+      each_carry([&](int m, int hf, int e) {
+        const CarryAt c = carry_at(tx, m, hf, e);
         ds[m][hf][e] = zero_do && c.a == c.v ? 1.f : 0.f;
-      } else if (!from_dht) {
-        ds[m][hf][e] = seed[carry_off(m, hf, e)];
-      } else {
-        ds[m][hf][e] = P.has_dht ? cuda::load_as_float(P.dht.data, P.dht.dtype, state_off(P, P.dht, n_seq, h, m, hf, e)) : 0.f;
-      }
-    });
+      });
+    } else if (!from_dht) {
+      const int tx = opaque_tid();
+      each_carry<2>([&](int m, int hf, int e) {
+        const float2 x = *reinterpret_cast<const float2*>(seed + carry_off(tx, m, hf, e));
+        ds[m][hf][e] = x.x;
+        ds[m][hf][e + 1] = x.y;
+      });
+    } else if (P.has_dht) {
+      each_state_elem(P, P.dht, n_seq, h, [&](int m, int hf, int e, const auto* x) { ds[m][hf][e] = cuda::to_float(*x); });
+    } else {
+      each_carry([&](int m, int hf, int e) { ds[m][hf][e] = 0.f; });
+    }
     auto mirror = [&]() {  // dsm = bf16(dS)
       each_carry<2>([&](int m, int hf, int e) { fst2<128>(S.dsm, fr, e, ds[m][hf][e], ds[m][hf][e + 1], hf, m); });
     };
+    if (tid == 0) pre_stamp(4);
     mirror();  // dS at the sequence's end, before stage 1 of the first chunk reads it
     fence_proxy_async();
     start_sync(S);
+    if (tid == 0) pre_stamp(5);
     for (int i = 0; i < N; ++i) {
       const uint32_t ph = i & 1;
       S.full0.wait(ph);
+      if (tid == 0 && i == 0) pre_stamp(6);
       S.full1.wait(ph);
+      if (tid == 0 && i == 0) pre_stamp(7);
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
         wait_stage<kRoleC>(S, s, i);
@@ -448,11 +494,14 @@ __device__ __forceinline__ void fused_walk(const Params& P, int64_t n_seq, int h
     if (transfer || seeding) {  // A_s or B_s, or the seed of the segment before
       const int mat = transfer ? cuda::bwd::fused_cp_map(seg, zero_do ? 1 : 0) : cuda::bwd::fused_cp_seed(seg - 1);
       float* map = cp_chain + mat * 16384;
-      each_carry([&](int m, int hf, int e) { map[carry_off(m, hf, e)] = ds[m][hf][e]; });
+      const int tx = opaque_tid();
+      each_carry<2>([&](int m, int hf, int e) {
+        *reinterpret_cast<float2*>(map + carry_off(tx, m, hf, e)) = make_float2(ds[m][hf][e], ds[m][hf][e + 1]);
+      });
     } else if (P.want_dh0 && seg == 0) {  // dh0 = dS at the sequence's start (zero where its state index is < 0)
       const bool keep = !P.has_state_indices || cuda::load_index(P.state_indices, P.idx_dtype, n_seq) >= 0;
-      each_carry([&](int m, int hf, int e) {
-        cuda::store_from_float(P.dh0.data, P.dh0.dtype, state_off(P, P.dh0, n_seq, h, m, hf, e), keep ? ds[m][hf][e] : 0.f);
+      each_state_elem(P, P.dh0, n_seq, h, [&](int m, int hf, int e, auto* x) {
+        *x = cuda::from_float<std::remove_pointer_t<decltype(x)>>(keep ? ds[m][hf][e] : 0.f);
       });
     }
   } else if (wg == 1) {  // ---- D: dVn, dR (dv), dK -------------------------------------------
@@ -950,9 +999,12 @@ __global__ void __launch_bounds__(kThreads, 1) fused_bwd(const __grid_constant__
   const int seg = phase1 ? blockIdx.z >> 1 : blockIdx.z;
   const bool zero_do = phase1 && (blockIdx.z & 1) != 0;  // the A_s walk: dS = I, dO = 0
   const WalkKind kind = walk_kind(P, n_seq, h, seg, phase1, zero_do);
+  if (kind == WalkKind::kNone) return;
+  stamp_cta(0);  // a diagnostic build's (bwd_fused_timeline.cuh); nothing in others
   if (kind == WalkKind::kTransfer)
     fused_walk<true, kF16Island>(P, n_seq, h, seg, zero_do);
-  else if (kind != WalkKind::kNone)
+  else
     fused_walk<false, kF16Island>(P, n_seq, h, seg, zero_do);
+  stamp_cta(1 + static_cast<int>(threadIdx.x >> 7));
 }
 }  // namespace flashgdn::sm90::fused_bwd
