@@ -324,8 +324,8 @@ fi
 if has ncu; then
   # Where the fused backward's warps wait: Nsight Compute's stall samples by instruction of one
   # launch of NCU_KERNEL (default fused_bwd) in a forward + backward at NCU_HEADS (default 16/64,
-  # one NCU_T-token sequence, default 32768), summarised by bench/ncu_stalls.py; the CSV in the logs. Not in the
-  # default steps.
+  # one NCU_T-token sequence, default 32768), summarised by bench/ncu_stalls.py; the CSV in the
+  # logs. Not in the default steps.
   install_pkg
   t0=$SECONDS
   PYTHONPATH=$PYTHONPATH:$PWD/bench ncu -k regex:"${NCU_KERNEL:-fused_bwd}" -s 1 -c 1 --section SourceCounters \
