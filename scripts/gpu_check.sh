@@ -251,7 +251,8 @@ fi
 if has ab; then
   # One A/B on one machine (bench/NOTES.md's before/after): the base of scripts/ab_base.sh
   # (.ab/base, carried) built beside this tree, then flashgdn_run on both, interleaved, AB_REPS
-  # times (default 3): the backward (or AB_MODE=forward: the forward alone) at each of AB_LEVELS
+  # times (default 3; odd repetitions run the base first, even ones this tree first, so that a
+  # drift over a long row, a clock or the GPU's heat, does not always fall on one tree): the backward (or AB_MODE=forward: the forward alone) at each of AB_LEVELS
   # (default "default fast") on each of AB_ROWS (Hq/Hv/T, default "16/64/32768 2/8/32768"), and
   # both trees' errors at 16/64, T = 2048, and whether their outputs' bits are the same (digests).
   # Logs: ab-* in logs.tar.gz.
@@ -277,7 +278,9 @@ if has ab; then
         IFS=/ read -r hq hv tt <<<"$row"
         for pr in ${AB_LEVELS:-default fast}; do
           for qn in ${AB_QK:-in_kernel}; do  # the q/k conventions timed (in_kernel prenormalized)
-            for tree in base tree; do
+            order="base tree"
+            [ $((rep % 2)) = 0 ] && order="tree base"
+            for tree in $order; do
               line=$(ab_run $tree --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 \
                 --precision "$pr" --qk-norm "$qn")
               echo "$tree $pr $qn $row rep $rep: $line" >>"$LOG/ab-times.log"
