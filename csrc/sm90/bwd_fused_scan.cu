@@ -43,19 +43,24 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
   }
   const int u_first = static_cast<int>(chunk_slot(K.seq, n, 0, seq_info(K.seq, n).t0)) * K.Hv + h;
   // Segment s's B_s rows of this thread's column and whether A_s counts (the certificate), fetched
-  // a segment ahead, in flight under the product before; A_s to the shared tile a half at a time,
-  // each half's loads in flight together (a load at a time, a segment waited out ~20 latencies).
-  // Three CTAs an SM (the shared tiles allow three): 80 registers, the product unrolled twice.
+  // a segment ahead, in flight under the product before: the B_s rows and the lane's first bound
+  // issued before the product, the certificate's sum formed after it (formed before, it waited out
+  // its loads there: 22% of the scan's stall samples, walk-start.md). A_s to the shared tile a half
+  // at a time, each half's loads in flight together (a load at a time, a segment waited out ~20
+  // latencies). Three CTAs an SM (the shared tiles allow three): 80 registers, the product
+  // unrolled twice.
   constexpr int kALoads = kD * kD / 4 / kScanThreads, kAPart = kALoads / 2;
   float nb[kScanRows];
   const auto fetch = [&](int s) {
     const float* Bm = K.cp + (chain + fused_cp_map(s, 0)) * kD * kD;
 #pragma unroll
     for (int j = 0; j < kScanRows; ++j) nb[j] = __ldg(Bm + (r0 + 32 * j) * kD + v);
-    const int first = s * len;
-    return !fk::transfer_negligible(K.bound, u_first + first * K.Hv, min(total - first, len), K.Hv);
+    return fk::transfer_bound_first(K.bound, u_first + s * len * K.Hv, min(total - s * len, len), K.Hv);
   };
-  bool need_next = fetch(segs - 2);
+  const auto needed = [&](int s, float first) {
+    return !fk::transfer_negligible_from(first, K.bound, u_first + s * len * K.Hv, min(total - s * len, len), K.Hv);
+  };
+  bool need_next = needed(segs - 2, fetch(segs - 2));
   for (int s = segs - 2; s >= 1; --s) {
     const bool need = need_next;
 #pragma unroll
@@ -75,7 +80,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
       }
     }
     __syncthreads();  // A_s and X in shared memory
-    if (s > 1) need_next = fetch(s - 1);
+    const float first = s > 1 ? fetch(s - 1) : 0.f;
     if (need) {
 #pragma unroll 2
       for (int k = 0; k < kD; k += 4) {
@@ -87,6 +92,7 @@ __global__ void __launch_bounds__(kScanThreads, 3) fused_cp_scan_kernel(fk::Para
         }
       }
     }
+    if (s > 1) need_next = needed(s - 1, first);
     __syncthreads();  // every read of X and A_s done
     float* seed = K.cp + (chain + fused_cp_seed(s - 1)) * kD * kD;
 #pragma unroll

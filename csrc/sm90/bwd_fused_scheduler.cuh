@@ -48,11 +48,21 @@ __device__ __forceinline__ Walk walk_of(const Params& P, int64_t n, int h, int s
 // l, l + 32, .., then the warp's butterfly (every lane the same value): a segment's bounds loaded
 // at once, where one thread summing them in turn waited out a load each (the scan asks once a
 // segment, one after another).
+// In two parts for the scan, which issues a lane's first bound before its product and sums after
+// it: transfer_bound_first (chunk l's bound, 0 past the segment) and transfer_negligible_from (the
+// rest in the same order: 0 + x is x, so the same bits as one sum).
 constexpr float kTransferLogBound = -16.f;
-__device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
-  float s = 0.f;
-  for (int j = static_cast<int>(threadIdx.x & 31); j < chunks; j += 32) s += bound[u0 + j * hv];
+__device__ __forceinline__ float transfer_bound_first(const float* bound, int u0, int chunks, int hv) {
+  const int j = static_cast<int>(threadIdx.x & 31);
+  return j < chunks ? bound[u0 + j * hv] : 0.f;
+}
+__device__ __forceinline__ bool transfer_negligible_from(float first, const float* bound, int u0, int chunks, int hv) {
+  float s = first;
+  for (int j = static_cast<int>(threadIdx.x & 31) + 32; j < chunks; j += 32) s += bound[u0 + j * hv];
   return cuda::warp_sum(s) < kTransferLogBound;
+}
+__device__ __forceinline__ bool transfer_negligible(const float* bound, int u0, int chunks, int hv) {
+  return transfer_negligible_from(transfer_bound_first(bound, u0, chunks, hv), bound, u0, chunks, hv);
 }
 
 // What a CTA's walk does. Phase 0 walks segments 0 .. S - 2 of a sequence of S segments (all of
