@@ -14,7 +14,8 @@
 //               before) and each middle segment's transfer dS -> A_s dS + B_s (two walks that
 //               write no gradient; A_s's not where the gates certify it negligible), 3b. the scan
 //               X = A_s X + B_s from that seed, segment by segment, for the carry at each
-//               segment's end, 3c. the other segments walked from that carry
+//               segment's end (the forward scan's step, cp_scan_step.cuh), 3c. the other
+//               segments walked from that carry
 //   4. reduce   per (chunk, q/k head): dq, dk summed over the group's value heads in ascending
 //               order, the l2norm's backward (1 / ||x|| recomputed), dv (where the kernel did
 //               not store it in place: FusedLayout::dv_direct) and dbeta to the user's tensors;

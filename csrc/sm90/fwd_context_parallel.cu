@@ -18,7 +18,7 @@
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_load.cuh"
 #include "sm90/fwd_scheduler.cuh"
-#include "sm90/mma_tf32.cuh"
+#include "sm90/cp_scan_step.cuh"
 #include "sm90/ptx.cuh"
 
 namespace flashgdn::sm90 {
@@ -671,38 +671,13 @@ __global__ void __launch_bounds__(kPlanThreads, 1) cp_plan_kernel(cuda::SeqLayou
 //   S_end(s) = M_s S_end(s - 1) + N_s   (exact segment: N_s and M_s from phase 1)
 //   S_end(s) = E_s                      (first or warm-up segment: its own end state)
 // in fp32, each exact S_end(s) written back over N_s for phase 2 of segment s + 1; the last
-// one is the sequence's final state (ht or the pool row, in its dtype and layout).
-//
-// Roles: kD / 16 compute warps, a warp per 16 state rows, and one copy warp that streams each
-// exact segment's M (64 KB at D = 128) into a two-buffer ring (`m_full` / `m_empty`), running
-// ahead of the compute warps. Issuing 64 KB of 16-byte copies takes ~1500 cycles a step
-// (bench/NOTES.md step 16): on the compute warps it was on the chain, on the copy warp it
-// overlaps the product.
-//
-// The product is a warp's 16 x 8 tile on the tensor cores, 3xTF32 (~21 bits, as the fp32 FMA
-// chain it replaces: 128-term sums in fp32 carry ~2^-20 anyway): x = big + small, a b ~
-// big_a big_b + big_a small_b + small_a big_b. S_end(s - 1) is split once, by the thread that
-// holds it, into two transposed tiles (St: big and small); each M element is split by the one
-// warp that reads it, with integer operations: big rounds the magnitude half up to TF32's 10
-// mantissa bits, small = x - big is exact in fp32 and the tensor core reads its leading 10 bits.
-// The products accumulate in three chains of kD / 8, not one of 3 kD / 8. Rows of M and St are
-// padded to kD + 16 floats (16-byte units: 4 mod 8), so a quarter warp's 16-byte fragment reads
-// (rows g, g + 1; q = 0..3) touch 8 distinct 16-byte bank groups.
+// one is the sequence's final state (ht or the pool row, in its dtype and layout). The step (a
+// copy warp streaming M, the product in 3xTF32 on the tensor cores) is cp_scan_step.cuh's, the
+// backward's scan's too.
 template <int kD>
-struct ScanTraits {
-  static constexpr int kComputeWarps = kD / 16, kComputeThreads = 32 * kComputeWarps;
-  static constexpr int kThreads = kComputeThreads + 32;  // + the copy warp
-  static constexpr int kCols = 8, kBlocksPerHead = kD / kCols, kPitch = kD + 16;
-};
-
+using ScanTraits = CpScanTraits<kD>;
 template <int kD>
-struct ScanStorage {
-  float m[2][kD][ScanTraits<kD>::kPitch];                               // M of an exact segment, 2 buffers
-  float st[2][2][ScanTraits<kD>::kCols][ScanTraits<kD>::kPitch];        // [step parity][big, small]: S_end(s - 1)^T
-  Mbarrier m_full[2], m_empty[2];
-};
-
-constexpr uint32_t kScanComputeBarrier = 1;  // named barrier of the compute warps (0: __syncthreads)
+using ScanStorage = CpScanStorage<kD>;
 
 // A chain's coordinates: work unit `index` = (split sequence, value head, block of kCols columns).
 template <int kD>
@@ -731,22 +706,9 @@ struct ScanChain {
 template <int kD>
 __device__ __forceinline__ void scan_copy_chain(const FwdParams& p, const CpTables& t, int64_t index,
                                                 ScanStorage<kD>& sm, uint32_t& fills) {
-  using Tr = ScanTraits<kD>;
   const ScanChain<kD> c(p, t, index);
-  const int lane = threadIdx.x & 31;
-  for (int s = 1; s < c.u.z; ++s) {
-    if (!c.exact(t, s)) continue;
-    const uint32_t b = fills & 1;
-    if (fills >= 2) sm.m_empty[b].wait(((fills >> 1) + 1) & 1);  // the compute warps' use of fill - 2
-    const float* src = c.at(p.cp.trans, s, 0);
-#pragma unroll 8
-    for (int i = lane; i < kD * kD / 4; i += 32) {
-      const int row = i / (kD / 4), c4 = i % (kD / 4);
-      cp_async_16(&sm.m[b][row][4 * c4], src + row * kD + 4 * c4);
-    }
-    sm.m_full[b].arrive_on_cp_async();
-    ++fills;
-  }
+  for (int s = 1; s < c.u.z; ++s)
+    if (c.exact(t, s)) cp_scan_copy<kD>(sm, fills, c.at(p.cp.trans, s, 0));
 }
 
 // The chain's last S_end, the sequence's final state: into ht, or the pool row, in its dtype and
@@ -777,8 +739,8 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
   const ScanChain<kD> c(p, t, index);
   const int z = c.u.z;
   // The thread's elements, in the m16n8 accumulator layout: rows r0 and r0 + 8, columns cc, cc + 1.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int r0 = 16 * warp + g, cc = 2 * q;
+  const CpScanLane l;
+  const int lane = threadIdx.x & 31, r0 = l.r0, cc = l.cc;
   auto load2 = [&](int s, int row) { return *reinterpret_cast<const float2*>(c.at(p.cp.ends, s, row) + c.col0 + cc); };
   // A chain without an exact segment multiplies nothing: its final state is its last segment's
   // own end state. Walking its segments anyway (the St split and a barrier a step) took most of
@@ -798,20 +760,10 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
     next_lo = load2(1, r0);
     next_hi = load2(1, r0 + 8);
   }
-  named_barrier_sync(kScanComputeBarrier, Tr::kComputeThreads);  // the previous chain's reads of St are done
+  named_barrier_sync(kCpScanComputeBarrier, Tr::kComputeThreads);  // the previous chain's reads of St are done
   for (int s = 1; s < z; ++s) {
     const bool run = x[0];
-    // S_end(s - 1), split, into this step's St.
-    float(&sb)[Tr::kCols][Tr::kPitch] = sm.st[s & 1][0];
-    float(&ss)[Tr::kCols][Tr::kPitch] = sm.st[s & 1][1];
-    const float v[4] = {lo.x, lo.y, hi.x, hi.y};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = r0 + 8 * (e >> 1), col = cc + (e & 1);
-      const uint32_t big = tf32_big(v[e]);
-      sb[col][row] = __uint_as_float(big);
-      ss[col][row] = __uint_as_float(tf32_small(v[e], big));
-    }
+    cp_scan_put<kD>(sm, l, s & 1, lo, hi);  // S_end(s - 1), split, into this step's St
     lo = next_lo;
     hi = next_hi;
     if (s + 1 < z && (s + 2 >= z || x[1] || x[2])) {
@@ -822,49 +774,9 @@ __device__ __forceinline__ void scan_chain(const FwdParams& p, const CpTables& t
     x[1] = x[2];
     x[2] = x[3];
     x[3] = c.exact(t, s + 4);
-    named_barrier_sync(kScanComputeBarrier, Tr::kComputeThreads);  // St is written
+    named_barrier_sync(kCpScanComputeBarrier, Tr::kComputeThreads);  // St is written
     if (!run) continue;
-    const uint32_t b = fills & 1;
-    sm.m_full[b].wait((fills >> 1) & 1);
-    // The k index is permuted inside each 16-wide block (the same way for M's columns and
-    // St's rows, so the sum is unchanged): lane q's A and B values of k steps 2i and 2i + 1 are
-    // the four consecutive k = 16 i + 4 q .. + 3, one 16-byte load each (32 LDS.128 a warp
-    // instead of 128 LDS; the compiler interleaves them with the products). Three accumulators:
-    // big big, small big, big small.
-    const float(&m)[kD][Tr::kPitch] = sm.m[b];
-    float4 ag[kD / 16], ag8[kD / 16], bb[kD / 16], bs[kD / 16];
-#pragma unroll
-    for (int i = 0; i < kD / 16; ++i) {
-      ag[i] = *reinterpret_cast<const float4*>(&m[16 * warp + g][16 * i + 4 * q]);
-      ag8[i] = *reinterpret_cast<const float4*>(&m[16 * warp + g + 8][16 * i + 4 * q]);
-      bb[i] = *reinterpret_cast<const float4*>(&sb[g][16 * i + 4 * q]);
-      bs[i] = *reinterpret_cast<const float4*>(&ss[g][16 * i + 4 * q]);
-    }
-    float d[4] = {lo.x, lo.y, hi.x, hi.y}, e1[4] = {}, e2[4] = {};  // N_s + M_s S_end(s - 1)
-#pragma unroll
-    for (int i = 0; i < kD / 16; ++i) {
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        // A fragment (g, k), (g + 8, k), (g, k + 4), (g + 8, k + 4) -> physical k 16 i + 4 q + 2 jj + {0, 1}.
-        const float a[4] = {jj ? ag[i].z : ag[i].x, jj ? ag8[i].z : ag8[i].x, jj ? ag[i].w : ag[i].y,
-                            jj ? ag8[i].w : ag8[i].y};
-        uint32_t abig[4], asmall[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          abig[r] = tf32_big(a[r]);
-          asmall[r] = tf32_small(a[r], abig[r]);
-        }
-        const uint32_t b0 = __float_as_uint(jj ? bb[i].z : bb[i].x), b1 = __float_as_uint(jj ? bb[i].w : bb[i].y);
-        const uint32_t c0 = __float_as_uint(jj ? bs[i].z : bs[i].x), c1 = __float_as_uint(jj ? bs[i].w : bs[i].y);
-        mma_m16n8k8_tf32(e1, asmall, b0, b1);
-        mma_m16n8k8_tf32(e2, abig, c0, c1);
-        mma_m16n8k8_tf32(d, abig, b0, b1);
-      }
-    }
-    sm.m_empty[b].arrive();  // this thread's reads of buffer b are done (each its own release: racecheck)
-    ++fills;
-    lo = make_float2(d[0] + (e1[0] + e2[0]), d[1] + (e1[1] + e2[1]));
-    hi = make_float2(d[2] + (e1[2] + e2[2]), d[3] + (e1[3] + e2[3]));
+    cp_scan_product<kD>(sm, l, s & 1, fills, lo, hi);  // N_s + M_s S_end(s - 1)
     *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0) + c.col0 + cc) = lo;
     *reinterpret_cast<float2*>(c.at(p.cp.ends, s, r0 + 8) + c.col0 + cc) = hi;
   }
@@ -883,12 +795,7 @@ __global__ void __launch_bounds__(ScanTraits<kD>::kThreads) cp_scan_kernel(const
   using Tr = ScanTraits<kD>;
   extern __shared__ float4 scan_smem[];
   ScanStorage<kD>& sm = *reinterpret_cast<ScanStorage<kD>*>(scan_smem);
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < 2; ++b) {
-      sm.m_full[b].init(32);                   // the copy warp's lanes
-      sm.m_empty[b].init(Tr::kComputeThreads);  // every compute thread
-    }
-  }
+  if (threadIdx.x == 0) cp_scan_init<kD>(sm);
   __syncthreads();
   grid_dependency_wait();  // phase 1's segment states and transfer matrices
   launch_dependents();
