@@ -249,28 +249,40 @@ if has bwd; then
 fi
 
 if has ab; then
-  # One A/B on one machine (bench/NOTES.md's before/after): the base of scripts/ab_base.sh
-  # (.ab/base, carried) built beside this tree, then flashgdn_run on both, interleaved, AB_REPS
-  # times (default 3; odd repetitions run the base first, even ones this tree first, so that a
-  # drift over a long row, a clock or the GPU's heat, does not always fall on one tree): the backward (or AB_MODE=forward: the forward alone) at each of AB_LEVELS
-  # (default "default fast") on each of AB_ROWS (Hq/Hv/T, default "16/64/32768 2/8/32768"), and
-  # both trees' errors at 16/64, T = 2048, and whether their outputs' bits are the same (digests).
-  # Logs: ab-* in logs.tar.gz.
-  if [ ! -f .ab/base/CMakeLists.txt ]; then
-    note "A/B" "no .ab/base (bash scripts/ab_base.sh REF here, then carry .ab)"
+  # One A/B on one machine (bench/NOTES.md's before/after): each base of scripts/ab_base.sh
+  # (.ab/NAME, carried; several NAMEs for several variants) built beside this tree, then
+  # flashgdn_run on all of them, interleaved, AB_REPS times (default 3; odd repetitions run the
+  # bases in name order and this tree last, even ones the reverse, so that a drift over a long
+  # row, a clock or the GPU's heat, does not always fall on one tree): the backward (or
+  # AB_MODE=forward: the forward alone) at each of AB_LEVELS (default "default fast") on each of
+  # AB_ROWS (Hq/Hv/T, default "16/64/32768 2/8/32768"); each tree's errors at 16/64, T = 2048;
+  # whether each base's outputs have this tree's bits (digests); with AB_NCU (a kernel name
+  # regex), Nsight Compute's duration of each matching launch, per tree and row. Logs: ab-* in
+  # logs.tar.gz.
+  bases=()
+  for d in .ab/*/; do [ -f "$d/CMakeLists.txt" ] && bases+=("$(basename "$d")"); done
+  if [ ${#bases[@]} = 0 ]; then
+    note "A/B" "no .ab/NAME (bash scripts/ab_base.sh REF [NAME] here, then carry .ab)"
   else
     t0=$SECONDS
-    base=$(cat .ab/base/COMMIT 2>/dev/null || echo unknown)
-    { cmake -S .ab/base -B .ab/base/build -G Ninja -DCMAKE_BUILD_TYPE=Release &&
-      cmake --build .ab/base/build -j "$(nproc)"; } >"$LOG/ab-build.log" 2>&1 ||
-      { tail -30 "$LOG/ab-build.log"; exit 1; }
-    ab_run() {  # tree (base | tree), flashgdn_run arguments; prints its table rows on one line
-      local b=$BUILD
-      [ "$1" = base ] && b=.ab/base/build
+    for name in "${bases[@]}"; do
+      { cmake -S ".ab/$name" -B ".ab/$name/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHGDN_TESTS=OFF &&
+        cmake --build ".ab/$name/build" -j "$(nproc)" --target flashgdn_run; } >"$LOG/ab-build-$name.log" 2>&1 &
+    done
+    wait
+    for name in "${bases[@]}"; do
+      [ -x ".ab/$name/build/flashgdn_run" ] || { tail -30 "$LOG/ab-build-$name.log"; exit 1; }
+    done
+    ab_bin() { [ "$1" = tree ] && echo "$BUILD" || echo ".ab/$1/build"; }
+    ab_label() { [ "$1" = tree ] && echo "this tree" || cat ".ab/$1/COMMIT" 2>/dev/null || echo "$1"; }
+    ab_run() {  # tree (a base's name | tree), flashgdn_run arguments; prints its table rows on one line
+      local b
+      b=$(ab_bin "$1")
       shift
       LD_LIBRARY_PATH=$PWD/$b "$b/flashgdn_run" --device cuda "$@" 2>&1 |
         grep -E '^\| (forward|backward|o|final_state|d[a-z0-9]+) \||workspace' | tr -s ' ' | tr '\n' ' '
     }
+    trees=("${bases[@]}" tree)
     bwd=1
     [ "${AB_MODE:-backward}" = forward ] && bwd=0
     for rep in $(seq "${AB_REPS:-3}"); do
@@ -278,49 +290,72 @@ if has ab; then
         IFS=/ read -r hq hv tt <<<"$row"
         for pr in ${AB_LEVELS:-default fast}; do
           for qn in ${AB_QK:-in_kernel}; do  # the q/k conventions timed (in_kernel prenormalized)
-            order="base tree"
-            [ $((rep % 2)) = 0 ] && order="tree base"
-            for tree in $order; do
-              line=$(ab_run $tree --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 \
+            order=("${trees[@]}")
+            [ $((rep % 2)) = 0 ] && mapfile -t order < <(printf '%s\n' "${trees[@]}" | tac)
+            for tree in "${order[@]}"; do
+              line=$(ab_run "$tree" --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 --iters 9 \
                 --precision "$pr" --qk-norm "$qn")
               echo "$tree $pr $qn $row rep $rep: $line" >>"$LOG/ab-times.log"
-              note "A/B ms, $tree ($([ $tree = base ] && echo "$base" || echo this tree)), $pr, q/k $qn, $hq/$hv 1x$tt, rep $rep" "$line"
+              note "A/B ms, $tree ($(ab_label "$tree")), $pr, q/k $qn, $hq/$hv 1x$tt, rep $rep" "$line"
             done
           done
         done
       done
     done
+    # Each tree's median over the repetitions, per row, level and convention.
+    while read -r key med; do note "A/B median ms, $key" "$med"; done < <(awk -v mode="${AB_MODE:-backward}" '
+      { key = $1 " " $2 " " $3 " " $4; v = ""
+        for (i = 1; i < NF; ++i) if ($i == mode && $(i + 1) == "|") { v = $(i + 2); break }
+        if (v != "") { n[key]++; x[key, n[key]] = v; if (!(key in seen)) { seen[key] = 1; order[++k] = key } } }
+      END { for (j = 1; j <= k; ++j) { key = order[j]; m = n[key]
+              for (a = 1; a <= m; ++a) for (b = a + 1; b <= m; ++b) if (x[key, b] + 0 < x[key, a] + 0) { t = x[key, a]; x[key, a] = x[key, b]; x[key, b] = t }
+              med = m % 2 ? x[key, (m + 1) / 2] : (x[key, m / 2] + x[key, m / 2 + 1]) / 2
+              gsub(" ", ",", key); printf "%s %.4g\n", key, med } }' "$LOG/ab-times.log")
     for pr in ${AB_LEVELS:-default fast}; do
-      for tree in base tree; do
+      for tree in "${trees[@]}"; do
         note "A/B errors, $tree, $pr (16/64, T 2048)" \
-          "$(ab_run $tree --T 2048 --Hq 16 --Hv 64 --backward $bwd --check 1 --precision "$pr" | grep -oE '\| (o|final_state|d[a-z0-9]+) \| [0-9.e+-]+ \|' | tr '\n' ' ')"
+          "$(ab_run "$tree" --T 2048 --Hq 16 --Hv 64 --backward $bwd --check 1 --precision "$pr" | grep -oE '\| (o|final_state|d[a-z0-9]+) \| [0-9.e+-]+ \|' | tr '\n' ' ')"
       done
     done
     # The outputs' bits (flashgdn_run --digest, 64-bit FNV-1a of every output's bytes) on each of
-    # AB_ROWS at each level: "same bits" or the outputs that differ. A base older than 4c2475d
-    # has no --digest: "no digest".
+    # AB_ROWS at each level, each base against this tree: "same bits" or the outputs that differ.
+    # A base older than 4c2475d has no --digest: "no digest".
+    ab_digest() {  # tree, Hq, Hv, T, level
+      local b
+      b=$(ab_bin "$1")
+      LD_LIBRARY_PATH=$PWD/$b "$b/flashgdn_run" --device cuda --T "$4" --Hq "$2" --Hv "$3" --backward $bwd \
+        --check 0 --iters 1 --precision "$5" --digest 1 2>/dev/null | grep -o 'digest [a-z]*:.*' | cut -d: -f2-
+    }
     for row in ${AB_ROWS:-16/64/32768 2/8/32768}; do
       IFS=/ read -r hq hv tt <<<"$row"
       for pr in ${AB_LEVELS:-default fast}; do
-        d=()
-        for tree in base tree; do
-          b=$BUILD
-          [ $tree = base ] && b=.ab/base/build
-          d+=("$(LD_LIBRARY_PATH=$PWD/$b "$b/flashgdn_run" --device cuda --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd \
-            --check 0 --iters 1 --precision "$pr" --digest 1 2>/dev/null | grep -o 'digest [a-z]*:.*' | cut -d: -f2-)")
+        mine=$(ab_digest tree "$hq" "$hv" "$tt" "$pr")
+        for name in "${bases[@]}"; do
+          theirs=$(ab_digest "$name" "$hq" "$hv" "$tt" "$pr")
+          if [ -z "$theirs" ] || [ -z "$mine" ]; then
+            verdict="no digest"
+          elif [ "$theirs" = "$mine" ]; then
+            verdict="same bits"
+          else
+            verdict="differ:$(join <(tr ' ' '\n' <<<"$theirs" | sort) <(tr ' ' '\n' <<<"$mine" | sort) -v 2 | cut -d= -f1 | tr '\n' ' ')"
+          fi
+          echo "$pr $row $name: $theirs | $mine" >>"$LOG/ab-digests.log"
+          note "A/B bits, $name against this tree, $pr, $hq/$hv 1x$tt" "$verdict"
         done
-        if [ -z "${d[0]}" ] || [ -z "${d[1]}" ]; then
-          verdict="no digest"
-        elif [ "${d[0]}" = "${d[1]}" ]; then
-          verdict="same bits"
-        else
-          verdict="differ:$(join <(tr ' ' '\n' <<<"${d[0]}" | sort) <(tr ' ' '\n' <<<"${d[1]}" | sort) -v 2 | cut -d= -f1 | tr '\n' ' ')"
-        fi
-        echo "$pr $row: ${d[0]} | ${d[1]}" >>"$LOG/ab-digests.log"
-        note "A/B bits, $pr, $hq/$hv 1x$tt" "$verdict"
       done
     done
-    note "A/B" "base $base against this tree ($((SECONDS - t0)) s)"
+    if [ -n "${AB_NCU:-}" ]; then  # each matching kernel's duration (us, Nsight Compute's clocks), in launch order
+      for row in ${AB_ROWS:-16/64/32768 2/8/32768}; do
+        IFS=/ read -r hq hv tt <<<"$row"
+        for tree in "${trees[@]}"; do
+          b=$(ab_bin "$tree")
+          note "A/B ncu us, $AB_NCU, $tree, $hq/$hv 1x$tt" "$(LD_LIBRARY_PATH=$PWD/$b ncu --metrics gpu__time_duration.sum \
+            -k regex:"$AB_NCU" "$b/flashgdn_run" --device cuda --T "$tt" --Hq "$hq" --Hv "$hv" --backward $bwd --check 0 \
+            --iters 1 2>&1 | awk '/gpu__time_duration.sum/ { v = $NF; if ($(NF - 1) == "ms") v *= 1000; if ($(NF - 1) == "ns") v /= 1000; printf "%s ", v }')"
+        done
+      done
+    fi
+    note "A/B" "bases ${bases[*]} against this tree ($((SECONDS - t0)) s)"
   fi
 fi
 
