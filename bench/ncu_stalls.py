@@ -18,6 +18,11 @@ Each instruction's line table (innermost first) names the first line of the kern
 role's branch (`// ---- producer`, `// ---- C:`, `// ---- D:`, `// ---- R:`); the stage is the last
 `if (s == N` above that line in the branch ("-": before the first, the role's waits and loop).
 The source must be the tree the cubin was built from (its line numbers).
+
+The code itself, by role and stage, without a profile (any machine with nvcc; a base to compare):
+
+    nvcc ... -lineinfo -cubin -o walk.cubin csrc/sm90/bwd_fused.cu; nvdisasm -g -gi -c walk.cubin > walk.sass
+    python3 bench/ncu_stalls.py --sass walk.sass [--base-sass base.sass --base-source base/csrc/sm90/bwd_fused_kernel.cuh]
 """
 import argparse
 import collections
@@ -117,6 +122,54 @@ def stage_map(source: str) -> dict:
     return where
 
 
+def opcodes(sass_path: str, function: str) -> dict:
+    """Offset in `function` -> opcode (without its modifiers), from the same nvdisasm listing."""
+    ops, in_fn = {}, False
+    with open(sass_path, encoding="utf-8") as f:
+        for ln in f:
+            if ln.startswith(".text."):
+                in_fn = function in ln
+                continue
+            m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln) if in_fn else None
+            if m:
+                ops[int(m.group(1), 16)] = m.group(2)
+    return ops
+
+
+def code_by_stage(sass_path: str, source: str, function: str):
+    """(role, stage) -> opcode counts of `function`'s instructions, no profile needed."""
+    tables, where = line_tables(sass_path, function), stage_map(source)
+    name = os.path.basename(source)
+    code = collections.defaultdict(collections.Counter)
+    for off, op in opcodes(sass_path, function).items():
+        lines = [int(n) for f, n in tables.get(off, []) if f.endswith(name)]
+        code[next((where[n] for n in lines if n in where), ("other", "-"))][op] += 1
+    return code
+
+
+def code_sizes(sass_path: str, source: str, function: str, base_sass: str = None, base_source: str = None) -> None:
+    """Instructions by role and stage (the code each stage adds to the walk), and with a base
+    listing (another tree's kernel: its own source for its line numbers) each stage's change and
+    the opcodes that changed most."""
+    code = code_by_stage(sass_path, source, function)
+    base = code_by_stage(base_sass, base_source or source, function) if base_sass else None
+    keys = sorted(set(code) | set(base or {}), key=lambda k: ("PCDRo".index(k[0][0]), str(k[1]).rjust(3)))
+    print(f"{'role, stage':12s} {'instr':>6s}" + (f" {'base':>6s} {'change':>7s}  opcodes that changed" if base else ""))
+    for k in keys:
+        n = sum(code[k].values())
+        line = f"{k[0] + ' ' + str(k[1]):12s} {n:6d}"
+        if base is not None:
+            b = sum(base[k].values())
+            diff = {op: code[k][op] - base[k][op] for op in set(code[k]) | set(base[k]) if code[k][op] != base[k][op]}
+            top = sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:5]
+            line += f" {b:6d} {n - b:+7d}  " + ", ".join(f"{op} {d:+d}" for op, d in top)
+        print(line)
+    for role in "PCDR":
+        n = sum(sum(c.values()) for k, c in code.items() if k[0] == role)
+        b = sum(sum(c.values()) for k, c in (base or {}).items() if k[0] == role)
+        print(f"{role}: {n} instructions" + (f", base {b}" if base is not None else ""))
+
+
 def by_stage(path: str, sass_path: str, source: str, function: str) -> None:
     hdr, rows = read_rows(path)
     ix = {h: i for i, h in enumerate(hdr)}
@@ -159,11 +212,15 @@ if __name__ == "__main__":
     ap.add_argument("--sass", help="nvdisasm -g -gi -c of the profiled kernel's cubin: group by role and stage")
     ap.add_argument("--source", default=os.path.join(os.path.dirname(__file__), "..", "csrc", "sm90", "bwd_fused_kernel.cuh"))
     ap.add_argument("--function", default="fused_bwdILb1", help="the profiled instantiation's symbol (a substring)")
+    ap.add_argument("--base-sass", help="with --sass and no CSV: another tree's listing to compare the code with")
+    ap.add_argument("--base-source", help="that tree's kernel source (default: --source)")
     a = ap.parse_args()
     if a.drive:
         drive(a.drive, a.T)
     elif a.csv and a.sass:
         by_stage(a.csv, a.sass, a.source, a.function)
+    elif a.sass:
+        code_sizes(a.sass, a.source, a.function, a.base_sass, a.base_source)
     elif a.csv:
         summarize(a.csv, a.top)
     else:

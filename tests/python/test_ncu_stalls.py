@@ -75,3 +75,25 @@ def test_by_stage_groups_samples_by_role_and_stage(tmp_path):
     assert table == {("P", "-"): (5, 1), ("C", "-"): (42, 1), ("C", "1"): (7, 1), ("C", "11"): (4, 1),
                      ("R", "7"): (22, 1), ("other", "-"): (1, 1)}, out
     assert "C:  65.4% of samples, 3 instructions" in out, out  # 53 of 81
+
+
+def test_code_sizes_counts_each_stage_and_the_change_from_a_base(tmp_path):
+    """--sass without a CSV: the instructions of each role and stage, and against a base listing
+    (here the same kernel with R's stage 7 store become two) the change and its opcodes."""
+    (tmp_path / "bwd_fused_kernel.cuh").write_text(SOURCE)
+    (tmp_path / "walk.sass").write_text(SASS)
+    base = SASS.replace("\t/*0040*/ STS [R6], R7 ;\n", "\t/*0040*/ STS [R6], R7 ;\n\t/*0048*/ @!P0 STS.64 [R6], R8 ;\n")
+    base = base.replace("\t/*0020*/ FMUL R4, R4, R5 ;", "\t/*0020*/ FFMA R4, R4, R5, R4 ;")
+    (tmp_path / "base.sass").write_text(base)
+    out = subprocess.run([sys.executable, str(BENCH / "ncu_stalls.py"), "--sass", str(tmp_path / "walk.sass"),
+                          "--source", str(tmp_path / "bwd_fused_kernel.cuh"), "--base-sass", str(tmp_path / "base.sass")],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0] in ("P", "C", "D", "R", "other") and parts[2].isdigit():
+            rows[(parts[0], parts[1])] = (int(parts[2]), int(parts[3]), " ".join(parts[5:]))
+    # (instructions, the base's, the opcodes that changed): the other function's FADD counts nowhere.
+    assert rows == {("P", "-"): (1, 1, ""), ("C", "-"): (1, 1, ""), ("C", "1"): (1, 1, "FFMA -1, FMUL +1"),
+                    ("C", "11"): (1, 1, ""), ("R", "7"): (1, 2, "STS -1"), ("other", "-"): (1, 1, "")}, out
+    assert "R: 1 instructions, base 2" in out, out
