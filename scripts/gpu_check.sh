@@ -98,11 +98,14 @@ if has pytest; then
   note "FLA for the routing tests" "$fla_note"
   install_pkg  # this call's tree, for the fuzz steps below too
   t0=$SECONDS
-  FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider --durations=25 \
+  # -rfEs: the short summary names every failure and error with its message (-rs alone lists the
+  # skips only); each failure's line goes into the table too, so that no tail of the log loses one.
+  FLASHGDN_ERROR_LOG="$LOG/errors.json" $PY -m pytest -q -rfEs -m gpu tests/python ${PYTEST_STOP--x} -p no:cacheprovider --durations=25 \
     >"$LOG/pytest.log" 2>&1
   rc=$?
   tail -15 "$LOG/pytest.log"
   note "Python GPU tests" "$(tail -1 "$LOG/pytest.log" | tr -d '=') ($((SECONDS - t0)) s)"
+  while read -r failed; do note "Python GPU test failed" "$failed"; done < <(grep -E '^(FAILED|ERROR) ' "$LOG/pytest.log" | cut -c1-300)
 fi
 
 if has sanitize; then

@@ -41,7 +41,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 echo "== Python: pip install . and pytest"
 "$PYTHON" -m pip install -q --no-build-isolation .
 set +e
-"$PYTHON" -m pytest -q -rs tests/python
+"$PYTHON" -m pytest -q -rfEs tests/python
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then
